@@ -1,0 +1,1 @@
+"""The small core of ninfer. It never imports ``ninfer.plugins`` or ``ninfer.protocols`` by name."""

@@ -1,0 +1,154 @@
+"""Typed descriptors that plugins return from the registration hooks.
+
+Every extension kind is a small frozen attrs class. A descriptor whose implementation has not landed
+yet leaves its factory as ``None``; selecting it fails at startup with :class:`NotYetAvailableError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import attrs
+
+from ninfer.core.errors import NotYetAvailableError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.artifact import Artifact, Manifest
+
+
+def _not_available(kind: str, name: str, detail: str) -> NotYetAvailableError:
+    return NotYetAvailableError(f"{kind} {name!r} is registered but not yet available: {detail}")
+
+
+@attrs.frozen
+class SamplingPreset:
+    """Family-recommended sampler values for one thinking mode."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float = 0.0
+
+
+@attrs.frozen
+class ModelFamily:
+    """A model family: recognizes artifacts by architecture and builds their runtime and frontend.
+
+    ``expected_weights(config)`` maps every tensor name of a checkpoint with that config to its shape; the
+    converter, the loader and ``make-tiny`` share it. ``load_runtime(artifact, options)`` builds the
+    model runtime the engine drives. ``build_frontend(artifact, serve_config)`` builds the prompt renderer
+    and output decoder. ``make_tiny(options)`` returns ``(manifest, tensors, resources)`` of a tiny
+    random-weight artifact. ``sampling_presets(manifest)`` returns ``{"thinking": ..., "non_thinking": ...}``.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    description: str = ""
+    model_types: tuple[str, ...] = ()
+    expected_weights: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
+    load_runtime: Callable[..., Any] | None = None
+    build_frontend: Callable[..., Any] | None = None
+    make_tiny: Callable[..., Any] | None = None
+    sampling_presets: Callable[["Manifest"], Mapping[str, SamplingPreset]] | None = None
+
+    def matches(self, manifest: "Manifest") -> bool:
+        """True when the artifact's architecture (and text model_type, if declared) belongs to this family."""
+        if manifest.architecture not in self.architectures:
+            return False
+        if not self.model_types:
+            return True
+        return manifest.text_model_type in self.model_types
+
+    def require(self, what: str) -> Callable[..., Any]:
+        """Return the factory named ``what`` or raise a clear "not yet available" error."""
+        factory = getattr(self, what)
+        if factory is None:
+            raise _not_available("model family", self.name, f"{what.replace('_', ' ')} has not been implemented")
+        return factory
+
+
+@attrs.frozen
+class SpeculativeBackend:
+    """A speculative-decoding backend selectable with ``--spec NAME``.
+
+    ``companion_prefix`` names the tensor prefix its drafter weights use in the artifact (``mtp.``,
+    ``dflash.``...). ``build_drafter(runtime, artifact, config)`` builds the drafter; ``None`` means the
+    backend is registered but not yet available.
+    """
+
+    name: str
+    min_draft_tokens: int
+    max_draft_tokens: int
+    companion_prefix: str
+    description: str = ""
+    supports_lm_head_draft: bool = True
+    build_drafter: Callable[..., Any] | None = None
+
+    def validate_draft_tokens(self, draft_tokens: int) -> None:
+        if not self.min_draft_tokens <= draft_tokens <= self.max_draft_tokens:
+            from ninfer.core.errors import ConfigError
+
+            raise ConfigError(
+                f"--draft-tokens {draft_tokens} is out of range for --spec {self.name}: "
+                f"expected {self.min_draft_tokens}..{self.max_draft_tokens}",
+                param="draft_tokens",
+            )
+
+    def require_drafter(self) -> Callable[..., Any]:
+        if self.build_drafter is None:
+            raise _not_available("speculative backend", self.name, "its drafter has not been implemented")
+        return self.build_drafter
+
+
+@attrs.frozen
+class KVDtype:
+    """A KV-cache storage format selectable with ``--kv-dtype NAME``.
+
+    ``key_bits``/``value_bits`` are storage bits per element including block-scale overhead, so
+    :attr:`bytes_per_token_per_head_dim` is the K+V bytes one token costs per KV head dimension.
+    ``make_storage`` builds the quantize-on-write storage; ``None`` means not yet available.
+    """
+
+    name: str
+    key_bits: float
+    value_bits: float
+    description: str = ""
+    make_storage: Callable[..., Any] | None = None
+
+    @property
+    def bytes_per_token_per_head_dim(self) -> float:
+        return (self.key_bits + self.value_bits) / 8.0
+
+    def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> float:
+        return self.bytes_per_token_per_head_dim * num_layers * num_kv_heads * head_dim
+
+    def require_storage(self) -> Callable[..., Any]:
+        if self.make_storage is None:
+            raise _not_available("KV dtype", self.name, "its quantized storage path has not been implemented")
+        return self.make_storage
+
+
+@attrs.frozen
+class Route:
+    method: str
+    path: str
+
+
+@attrs.frozen
+class ProtocolAdapter:
+    """A set of HTTP routes mounted on the falcon app, e.g. OpenAI Chat Completions.
+
+    ``mount(app, server)`` adds the routes to a ``falcon.asgi.App``; ``None`` means not yet available.
+    """
+
+    name: str
+    routes: tuple[Route, ...]
+    description: str = ""
+    mount: Callable[..., Any] | None = None
+
+    def require_mount(self) -> Callable[..., Any]:
+        if self.mount is None:
+            raise _not_available("protocol adapter", self.name, "its HTTP routes have not been implemented")
+        return self.mount

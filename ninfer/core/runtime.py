@@ -1,0 +1,187 @@
+"""The contract between the engine and a model runtime.
+
+The engine owns all cache memory; a runtime only reads and writes through the views it is handed:
+
+* ``KVCache`` — the paged Main Text KV pool of the full-attention layers. Token ``j`` of a row lives in
+  page ``page_tables[row, j // page_size]`` at offset ``j % page_size``.
+* ``StateCache`` — the StateImage pool: for every Gated-DeltaNet layer a conv window (the last
+  ``conv_window`` inputs of the causal conv, model dtype) and an fp32 SSM state per slot.
+
+``ModelRuntime.forward`` runs one traversal over a batch of rows. Each row continues from
+``context_lens[row]`` tokens already in its pages and from the recurrent state in its slot (the engine
+resets a slot before a fresh sequence) and appends ``query_lens[row]`` new tokens: a prefill chunk, one
+decode token, or k+1 verify tokens. The runtime writes the new KV into the pages and leaves the state
+after the row's last new token in the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, Sequence
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class AttentionLayerSpec:
+    """A full-attention layer that keeps paged KV."""
+
+    layer_index: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@attrs.frozen
+class RecurrentLayerSpec:
+    """A Gated-DeltaNet layer: its StateImage part is a conv window plus an fp32 SSM state."""
+
+    layer_index: int
+    conv_dim: int
+    conv_window: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+
+
+@attrs.frozen
+class RuntimeSpec:
+    """What the engine must allocate for a runtime."""
+
+    vocab_size: int
+    hidden_size: int
+    attention_layers: tuple[AttentionLayerSpec, ...]
+    recurrent_layers: tuple[RecurrentLayerSpec, ...]
+    dtype: torch.dtype
+    device: torch.device
+    max_position_embeddings: int
+
+    def kv_bytes_per_token(self, bytes_per_element: float | None = None) -> float:
+        per_element = self.dtype.itemsize if bytes_per_element is None else bytes_per_element
+        return sum(2 * layer.num_kv_heads * layer.head_dim * per_element for layer in self.attention_layers)
+
+    def state_image_bytes(self) -> int:
+        return sum(
+            layer.state_bytes + layer.conv_dim * layer.conv_window * self.dtype.itemsize
+            for layer in self.recurrent_layers
+        )
+
+
+@attrs.define
+class KVCache:
+    """Paged KV: ``key[i]``/``value[i]`` are ``[num_pages, page_size, num_kv_heads, head_dim]`` for attention layer i."""
+
+    page_size: int
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, spec: RuntimeSpec, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> "KVCache":
+        dtype = dtype or spec.dtype
+        shapes = [(num_pages, page_size, layer.num_kv_heads, layer.head_dim) for layer in spec.attention_layers]
+        return cls(
+            page_size=page_size,
+            key=[torch.zeros(shape, dtype=dtype, device=spec.device) for shape in shapes],
+            value=[torch.zeros(shape, dtype=dtype, device=spec.device) for shape in shapes],
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.key[0].shape[0] if self.key else 0
+
+
+@attrs.define
+class StateCache:
+    """StateImage slots: ``conv[i]`` is ``[slots, conv_dim, conv_window]``, ``ssm[i]`` ``[slots, Hv, Dk, Dv]`` fp32."""
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, spec: RuntimeSpec, num_slots: int) -> "StateCache":
+        return cls(
+            conv=[
+                torch.zeros((num_slots, layer.conv_dim, layer.conv_window), dtype=spec.dtype, device=spec.device)
+                for layer in spec.recurrent_layers
+            ],
+            ssm=[
+                torch.zeros(
+                    (num_slots, layer.num_value_heads, layer.key_head_dim, layer.value_head_dim),
+                    dtype=torch.float32,
+                    device=spec.device,
+                )
+                for layer in spec.recurrent_layers
+            ],
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm[0].shape[0] if self.ssm else 0
+
+    def reset(self, slot: int) -> None:
+        for tensor in (*self.conv, *self.ssm):
+            tensor[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        for tensor in (*self.conv, *self.ssm):
+            tensor[dst].copy_(tensor[src])
+
+
+@attrs.define
+class ForwardBatch:
+    """One model traversal over ``len(query_lens)`` rows whose new tokens are concatenated."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [3, T] int64 MRoPE (t, h, w) ids; equal rows for text
+    query_lens: Sequence[int]  # new tokens per row; sum == T
+    context_lens: Sequence[int]  # tokens already cached per row before this traversal
+    page_tables: torch.Tensor  # [R, max_pages] int32
+    state_slots: torch.Tensor  # [R] int64
+    logits: Literal["last", "all", "none"] = "last"
+    capture_states: bool = False  # also return the recurrent state after every new token (verify)
+    return_hidden: bool = False  # also return final-normed hidden states (MTP drafting)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+
+@attrs.define
+class CapturedStates:
+    """Recurrent state after each new token: ``conv[i]`` ``[T, conv_dim, window]``, ``ssm[i]`` ``[T, Hv, Dk, Dv]``."""
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+
+@attrs.define
+class ForwardOutput:
+    """``logits`` (fp32) and ``hidden`` are ``[R, ...]`` for ``"last"`` and ``[T, ...]`` for ``"all"``."""
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None = None
+    states: CapturedStates | None = None
+
+
+@attrs.frozen
+class LoadOptions:
+    """How to load a runtime: ``dtype`` is auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp32 on CPU)."""
+
+    device: str = "cpu"
+    dtype: str = "auto"
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.dtype]
+
+
+class ModelRuntime(Protocol):
+    """What a model family's ``load_runtime`` returns."""
+
+    spec: RuntimeSpec
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput: ...

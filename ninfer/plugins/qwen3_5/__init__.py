@@ -1,0 +1,66 @@
+"""The Qwen3.5 / 3.6 / 3.8 model family plugin: dense (``qwen3_5``) and MoE (``qwen3_5_moe``).
+
+Both share the hybrid Gated-DeltaNet + gated-attention stack; they differ in the FFN block.
+Submodules are imported lazily so that ``ninfer plugins list`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ninfer.core.descriptors import ModelFamily, SamplingPreset
+from ninfer.core.hookspecs import hookimpl
+
+DENSE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+
+
+def _expected_weights(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    from ninfer.plugins.qwen3_5.weights import expected_weights
+
+    return expected_weights(config)
+
+
+def _load_runtime(artifact: Any, options: Any) -> Any:
+    from ninfer.plugins.qwen3_5.runtime import load_runtime
+
+    return load_runtime(artifact, options)
+
+
+def _make_tiny(options: Any) -> Any:
+    from ninfer.plugins.qwen3_5.tiny import make_tiny
+
+    return make_tiny(options)
+
+
+def _presets(thinking_presence_penalty: float):
+    def presets(_manifest: Any) -> dict[str, SamplingPreset]:
+        return {
+            "thinking": SamplingPreset(1.0, 0.95, 20, 0.0, thinking_presence_penalty),
+            "non_thinking": SamplingPreset(0.7, 0.80, 20, 0.0, 1.5),
+        }
+
+    return presets
+
+
+@hookimpl
+def ninfer_model_families() -> list[ModelFamily]:
+    common = dict(expected_weights=_expected_weights, load_runtime=_load_runtime, make_tiny=_make_tiny)
+    return [
+        ModelFamily(
+            name="qwen3_5",
+            architectures=DENSE_ARCHITECTURES,
+            model_types=("qwen3_5_text", "qwen3_5"),
+            description="Qwen3.5/3.6/3.8 dense hybrid Gated-DeltaNet (e.g. Qwen3.6-27B, Qwen3.8-27B)",
+            sampling_presets=_presets(0.0),
+            **common,
+        ),
+        ModelFamily(
+            name="qwen3_5_moe",
+            architectures=MOE_ARCHITECTURES,
+            model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+            description="Qwen3.5/3.6 MoE hybrid Gated-DeltaNet (e.g. Qwen3.6-35B-A3B)",
+            sampling_presets=_presets(1.5),
+            **common,
+        ),
+    ]

@@ -1,0 +1,1 @@
+"""HTTP layer: the falcon ASGI app and one adapter module per wire protocol."""
