@@ -111,17 +111,99 @@ class TensorInfo:
         return self.end - self.begin
 
 
-class Artifact:
+class MappedSafetensors:
+    """One safetensors file mapped once (private, copy-on-write) that hands out zero-copy tensor views.
+
+    A view keeps the mapping alive, so :meth:`close` is safe while views exist: the mapping goes away
+    with the last of them.
+    """
+
+    def __init__(self, path: Path, data_start: int) -> None:
+        self.path = path
+        self._data_start = data_start
+        self._closed = False
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            self._mmap = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+
+    def view(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor described by ``info`` (offsets relative to the data section) as a view of the mapping."""
+        if self._closed:
+            raise ArtifactError(f"{self.path}: read after the file was closed")
+        count = 1
+        for dim in info.shape:
+            count *= dim
+        if count == 0 or self._mmap is None:
+            return torch.empty(info.shape, dtype=info.dtype)
+        flat = torch.frombuffer(self._mmap, dtype=info.dtype, count=count, offset=self._data_start + info.begin)
+        return flat.view(info.shape)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # tensor views are still alive; the mapping closes when they are gone
+                pass
+            self._mmap = None
+
+
+class ModelSource:
+    """What serving reads a model from: a manifest, named weight tensors and named text resources.
+
+    Implemented by :class:`Artifact` (a .ninfer file) and by the Hugging Face directory view
+    (``ninfer.core.hf_checkpoint.HFDirectoryArtifact``).
+    """
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def tensor_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.tensor_names:
+            if name.startswith(prefix):
+                yield name, self.tensor(name)
+
+    @property
+    def resource_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def resource(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def resource_text(self, name: str) -> str:
+        try:
+            return self.resource(name).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ArtifactError(f"{self.path}: resource {name!r} is not valid UTF-8 ({exc})") from None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "ModelSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Artifact(ModelSource):
     """An opened .ninfer file. Tensors are zero-copy views into a private (copy-on-write) mapping."""
 
     def __init__(self, path: Path, manifest: Manifest, tensors: dict[str, TensorInfo], data_start: int) -> None:
         self.path = path
         self.manifest = manifest
         self._infos = tensors
-        self._data_start = data_start
-        self._file = open(path, "rb")
-        size = os.fstat(self._file.fileno()).st_size
-        self._mmap = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        self._mapped = MappedSafetensors(path, data_start)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "Artifact":
@@ -147,19 +229,7 @@ class Artifact:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as a zero-copy CPU view of the mapped file."""
-        info = self.tensor_info(name)
-        count = 1
-        for dim in info.shape:
-            count *= dim
-        if count == 0 or self._mmap is None:
-            return torch.empty(info.shape, dtype=info.dtype)
-        flat = torch.frombuffer(self._mmap, dtype=info.dtype, count=count, offset=self._data_start + info.begin)
-        return flat.view(info.shape)
-
-    def tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.tensor_names:
-            if name.startswith(prefix):
-                yield name, self.tensor(name)
+        return self._mapped.view(self.tensor_info(name))
 
     # -- resources ---------------------------------------------------------------------------------
 
@@ -173,25 +243,11 @@ class Artifact:
             raise ArtifactError(f"{self.path}: the artifact has no resource {name!r}")
         return self.tensor(key).numpy().tobytes()
 
-    def resource_text(self, name: str) -> str:
-        try:
-            return self.resource(name).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ArtifactError(f"{self.path}: resource {name!r} is not valid UTF-8 ({exc})") from None
-
     def close(self) -> None:
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # tensor views are still alive; the mapping closes when they are gone
-                pass
-        self._file.close()
+        self._mapped.close()
 
     def __enter__(self) -> "Artifact":
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
@@ -288,18 +344,22 @@ def write_artifact(
     header_bytes = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as out:
-        out.write(struct.pack("<Q", len(header_bytes)))
-        out.write(header_bytes)
-        for entry in entries:
-            tensor = entry.load()
-            if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                raise ArtifactError(
-                    f"{path}: tensor {entry.name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
-                    f"declared {entry.dtype} {entry.shape}"
-                )
-            out.write(_tensor_bytes(tensor))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(header_bytes)))
+            out.write(header_bytes)
+            for entry in entries:
+                tensor = entry.load()
+                if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                    raise ArtifactError(
+                        f"{path}: tensor {entry.name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                        f"declared {entry.dtype} {entry.shape}"
+                    )
+                out.write(_tensor_bytes(tensor))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -313,7 +373,7 @@ def tensor_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
     return [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
 
 
-def open_model_source(path: str | os.PathLike[str]) -> Artifact:
+def open_model_source(path: str | os.PathLike[str]) -> ModelSource:
     """Open a .ninfer file, or a Hugging Face checkpoint directory through the registered converter view."""
     path = Path(path)
     if path.is_dir():

@@ -143,8 +143,8 @@ class PluginManager:
     def _collect(self, hook_name: str, kind: str, owners: dict[tuple[str, str], str]) -> dict[str, Any]:
         table: dict[str, Any] = {}
         hook = getattr(self.pm.hook, hook_name)
-        # get_hookimpls() is in registration-reverse call order; reverse it so built-ins come first.
-        for impl in reversed(hook.get_hookimpls()):
+        # get_hookimpls() lists implementations in registration order, so built-ins come first.
+        for impl in hook.get_hookimpls():
             for descriptor in impl.function() or ():
                 name = descriptor.name
                 if name in table:

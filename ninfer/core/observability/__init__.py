@@ -1,0 +1,1 @@
+"""Operational stderr log, request JSONL and throughput records."""
