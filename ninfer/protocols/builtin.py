@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from ninfer.core.descriptors import ProtocolAdapter, Route
 from ninfer.core.hookspecs import hookimpl
+from ninfer.protocols.models import mount_health, mount_models
 
 
 @hookimpl
 def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
     return [
-        ProtocolAdapter("health", (Route("GET", "/health"),), "engine readiness"),
+        ProtocolAdapter("health", (Route("GET", "/health"),), "engine readiness", mount=mount_health),
         ProtocolAdapter(
-            "models", (Route("GET", "/v1/models"), Route("GET", "/v1/models/{model_id}")), "OpenAI model listing"
+            "models", (Route("GET", "/v1/models"), Route("GET", "/v1/models/{model_id}")), "OpenAI model listing", mount=mount_models
         ),
         ProtocolAdapter("openai_chat", (Route("POST", "/v1/chat/completions"),), "OpenAI Chat Completions"),
         ProtocolAdapter(

@@ -1,0 +1,58 @@
+"""``GET /health``, ``GET /v1/models`` and ``GET /v1/models/{id}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon
+
+from ninfer.core.errors import NinferError
+
+
+class ModelNotFoundError(NinferError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class HealthResource:
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    async def on_get(self, req: Any, resp: Any) -> None:
+        healthy = self.context.engine is not None and self.context.engine.healthy
+        resp.status = falcon.HTTP_200 if healthy else falcon.HTTP_503
+        resp.media = {"status": "ok" if healthy else "unavailable"}
+
+
+def model_card(context: Any) -> dict[str, Any]:
+    return {
+        "id": context.model_id,
+        "object": "model",
+        "created": context.created,
+        "owned_by": "ninfer",
+        "max_model_len": context.max_model_len,
+    }
+
+
+class ModelsResource:
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    async def on_get(self, req: Any, resp: Any) -> None:
+        resp.media = {"object": "list", "data": [model_card(self.context)]}
+
+    async def on_get_one(self, req: Any, resp: Any, model_id: str) -> None:
+        if model_id != self.context.model_id:
+            raise ModelNotFoundError(f"model {model_id!r} does not exist; this server serves {self.context.model_id!r}", param="model")
+        resp.media = model_card(self.context)
+
+
+def mount_health(app: Any, context: Any) -> None:
+    app.add_route("/health", HealthResource(context))
+
+
+def mount_models(app: Any, context: Any) -> None:
+    resource = ModelsResource(context)
+    app.add_route("/v1/models", resource)
+    app.add_route("/v1/models/{model_id}", resource, suffix="one")
