@@ -135,7 +135,11 @@ class MappedSafetensors:
             count *= dim
         if count == 0 or self._mmap is None:
             return torch.empty(info.shape, dtype=info.dtype)
-        flat = torch.frombuffer(self._mmap, dtype=info.dtype, count=count, offset=self._data_start + info.begin)
+        # Through a memoryview: the tensor holds it, and it holds a buffer export that keeps the mapping open
+        # (torch.frombuffer on the mmap itself does not, so closing would unmap memory under live views).
+        flat = torch.frombuffer(
+            memoryview(self._mmap), dtype=info.dtype, count=count, offset=self._data_start + info.begin
+        )
         return flat.view(info.shape)
 
     def close(self) -> None:

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import secrets
 import string
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Sequence
 
 import attrs
 
 from ninfer.core.errors import NinferError
+from ninfer.core.frontend import (
+    ContentDelta,
+    OutputEvent,
+    ParseReport,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallFinished,
+    ToolCallStarted,
+)
 from ninfer.plugins.qwen3_5.tool_calls import (
     TOOL_CALL_OPEN,
     FallbackReason,
@@ -59,55 +68,6 @@ class OutputDecoderError(NinferError):
 # ---------------------------------------------------------------------------------------------------------------
 # Events and the parse report
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class ReasoningDelta:
-    text: str
-
-
-@attrs.frozen
-class ContentDelta:
-    text: str
-
-
-@attrs.frozen
-class ToolCallStarted:
-    index: int
-    call_id: str
-    name: str
-    namespace: str | None
-
-
-@attrs.frozen
-class ToolCallArgumentsDelta:
-    index: int
-    text: str
-
-
-@attrs.frozen
-class ToolCallFinished:
-    index: int
-    arguments_json: str
-
-
-OutputEvent = Union[ReasoningDelta, ContentDelta, ToolCallStarted, ToolCallArgumentsDelta, ToolCallFinished]
-
-
-@attrs.frozen
-class ParseReport:
-    """Tool-call parse diagnostics for the request log: counters and a stable reason, never values or text.
-
-    ``marker_seen``: a complete ``<tool_call>`` appeared in the content channel. ``calls``: structured calls
-    returned. ``omitted_empty_arguments`` / ``schema_mismatched_arguments``: counted over returned calls.
-    ``fallback_reason``: why markup was first returned as text (``none`` if never).
-    """
-
-    marker_seen: bool = False
-    calls: int = 0
-    omitted_empty_arguments: int = 0
-    schema_mismatched_arguments: int = 0
-    fallback_reason: str = FallbackReason.NONE.value
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -1,0 +1,156 @@
+"""Convert a Hugging Face checkpoint directory into one .ninfer artifact (``ninfer convert``).
+
+The checkpoint is validated completely before anything is written: its files, its architecture (a
+registered model family must recognize it) and every tensor against the family's
+``expected_weights(config)``. Tensors then stream shard by shard, one at a time, into the artifact with
+their Hugging Face names: each is written straight from its mapped shard (no copy), and only one shard
+is mapped at a time, so memory stays bounded by one tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from ninfer.core.artifact import MappedSafetensors, TensorEntry, TensorInfo, write_artifact
+from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
+from ninfer.core.hf_checkpoint import CONFIG_FILE, HFDirectoryArtifact, ShardFile, open_hf_directory
+
+#: Tensors a family need not expect that are carried into the artifact as they are.
+CARRIED_PREFIXES = ("model.visual.", "mtp.")
+#: How many offending tensor names one error message lists per kind of problem.
+_NAMES_SHOWN = 8
+_PER_EXPERT_NAME = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+Progress = Callable[[int, int], None]
+
+
+def convert_checkpoint(
+    hf_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    model_id: str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Validate the checkpoint in ``hf_dir``, then write it to ``out_path`` as a .ninfer file; returns the path.
+
+    ``progress(done_bytes, total_bytes)`` is called as tensor data is written.
+    """
+    out = Path(out_path)
+    with open_hf_directory(hf_dir, model_id=model_id) as checkpoint:
+        _check_output_path(out, checkpoint)
+        check_weights(checkpoint)
+        resources = {name: checkpoint.resource(name) for name in checkpoint.resource_names}
+        stream = _ShardStream(progress, total=sum(shard.nbytes for shard in checkpoint.shards))
+        try:
+            write_artifact(out, checkpoint.manifest, stream.entries(checkpoint.shards), resources)
+        except OSError as exc:
+            raise ArtifactError(f"{out}: cannot write the artifact ({exc.strerror or exc})") from None
+        finally:
+            stream.close()
+        stream.finish()
+    return out
+
+
+def check_weights(checkpoint: HFDirectoryArtifact) -> None:
+    """Fail with WeightMismatchError unless the checkpoint holds exactly the tensors its family expects.
+
+    Tensors under :data:`CARRIED_PREFIXES` may be present without being expected.
+    """
+    from ninfer.core.plugins import load_plugin_manager
+
+    manifest = checkpoint.manifest
+    family = load_plugin_manager().registries.family_for(manifest)
+    try:
+        expected = family.require("expected_weights")(manifest.config)
+    except WeightMismatchError:
+        raise
+    except ArtifactError as exc:
+        raise ArtifactError(f"{checkpoint.path / CONFIG_FILE}: {exc.message}") from None
+    found = {name: checkpoint.tensor_info(name) for name in checkpoint.tensor_names}
+    problems = _weight_problems(expected, found)
+    if problems:
+        raise WeightMismatchError(
+            f"{checkpoint.path}: the checkpoint does not match {manifest.architecture} "
+            f"(model family {family.name!r}): " + "; ".join(problems)
+        )
+
+
+def _weight_problems(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, TensorInfo]) -> list[str]:
+    missing = [name for name in expected if name not in found]
+    misshaped = [
+        f"{name} has shape {list(found[name].shape)}, expected {list(expected[name])}"
+        for name in expected
+        if name in found and tuple(found[name].shape) != tuple(expected[name])
+    ]
+    unexpected = [name for name in found if name not in expected and not name.startswith(CARRIED_PREFIXES)]
+    problems = []
+    for label, items in (
+        ("missing tensor", missing),
+        ("mis-shaped tensor", misshaped),
+        ("unexpected tensor", unexpected),
+    ):
+        if items:
+            shown = ", ".join(items[:_NAMES_SHOWN])
+            more = f" and {len(items) - _NAMES_SHOWN} more" if len(items) > _NAMES_SHOWN else ""
+            problems.append(f"{len(items)} {label}{'s' if len(items) > 1 else ''}: {shown}{more}")
+    if any(_PER_EXPERT_NAME.search(name) for name in unexpected):
+        problems.append(
+            "the checkpoint stores MoE experts one by one (mlp.experts.N.*_proj.weight, what transformers' "
+            "save_pretrained writes by default); ninfer reads the fused mlp.experts.gate_up_proj / down_proj "
+            "layout of the released Qwen checkpoints: re-save with save_pretrained(..., save_original_format=False)"
+        )
+    return problems
+
+
+def _check_output_path(out: Path, checkpoint: HFDirectoryArtifact) -> None:
+    if out.is_dir():
+        raise ConfigError(f"{out}: is a directory; give the path of the .ninfer file to write")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{out}: the output directory {out.parent} does not exist")
+    inputs = {shard.path.resolve() for shard in checkpoint.shards}
+    if out.resolve() in inputs:
+        raise ConfigError(f"{out}: would overwrite a shard of the checkpoint being converted")
+
+
+class _ShardStream:
+    """Tensor entries that read from one mapped shard at a time; moving on lets go of the previous mapping."""
+
+    def __init__(self, progress: Progress | None, *, total: int) -> None:
+        self._progress = progress
+        self._total = total
+        self._done = 0
+        self._shard: ShardFile | None = None
+        self._mapped: MappedSafetensors | None = None
+
+    def entries(self, shards: tuple[ShardFile, ...]) -> list[TensorEntry]:
+        return [
+            TensorEntry(name, info.dtype, info.shape, lambda shard=shard, info=info: self._load(shard, info))
+            for shard in shards
+            for name, info in shard.tensors.items()
+        ]
+
+    def _load(self, shard: ShardFile, info: TensorInfo) -> torch.Tensor:
+        mapped = self._mapped
+        if shard is not self._shard or mapped is None:
+            self.close()
+            mapped = shard.map()
+            self._shard, self._mapped = shard, mapped
+        tensor = mapped.view(info)
+        if self._progress is not None:
+            self._progress(self._done, self._total)
+        self._done += info.nbytes
+        return tensor
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress(self._total, self._total)
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+        self._shard, self._mapped = None, None
