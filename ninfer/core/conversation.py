@@ -88,6 +88,7 @@ class ToolDefinition:
     parameters: Mapping[str, Any] | None = None
     namespace: str | None = None
     namespace_description: str | None = None
+    wire_function: Mapping[str, Any] | None = None  # the received function object, member order kept, for rendering
 
     @property
     def key(self) -> tuple[str | None, str]:

@@ -38,7 +38,7 @@ class ModelFamily:
 
     ``expected_weights(config)`` maps every tensor name of a checkpoint with that config to its shape; the
     converter, the loader and ``make-tiny`` share it. ``load_runtime(artifact, options)`` builds the
-    model runtime the engine drives. ``build_frontend(artifact, serve_config)`` builds the prompt renderer
+    model runtime the engine drives. ``build_frontend(artifact, serve_config, tokenizer)`` builds the prompt renderer
     and output decoder. ``make_tiny(options)`` returns ``(manifest, tensors, resources)`` of a tiny
     random-weight artifact. ``sampling_presets(manifest)`` returns ``{"thinking": ..., "non_thinking": ...}``.
     """

@@ -27,6 +27,12 @@ def _load_runtime(artifact: Any, options: Any) -> Any:
     return load_runtime(artifact, options)
 
 
+def _build_frontend(artifact: Any, config: Any, tokenizer: Any) -> Any:
+    from ninfer.plugins.qwen3_5.frontend import QwenFrontend
+
+    return QwenFrontend(artifact, config, tokenizer)
+
+
 def _make_tiny(options: Any) -> Any:
     from ninfer.plugins.qwen3_5.tiny import make_tiny
 
@@ -45,7 +51,12 @@ def _presets(thinking_presence_penalty: float):
 
 @hookimpl
 def ninfer_model_families() -> list[ModelFamily]:
-    common = dict(expected_weights=_expected_weights, load_runtime=_load_runtime, make_tiny=_make_tiny)
+    common = dict(
+        expected_weights=_expected_weights,
+        load_runtime=_load_runtime,
+        build_frontend=_build_frontend,
+        make_tiny=_make_tiny,
+    )
     return [
         ModelFamily(
             name="qwen3_5",

@@ -1,0 +1,136 @@
+"""The checkpoint's multi-token-prediction module (``mtp.*``), runnable one drafting step at a time.
+
+``x = fc(concat[pre_fc_norm_embedding(embed(next_token)), pre_fc_norm_hidden(hidden)])`` (embedding first), then one
+full-attention decoder layer with its own paged KV, ``mtp.norm`` and the trunk's lm_head. The embedding and lm_head
+are shared with the trunk. Feed the trunk's final-normed hidden state at position t with token t+1 (at position t);
+the returned hidden state (after ``mtp.norm``) feeds the next chained step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ninfer.core.runtime import AttentionLayerSpec, KVCache, RuntimeSpec
+from ninfer.kernels.norms import rms_norm
+from ninfer.plugins.qwen3_5.config import FULL_ATTENTION
+from ninfer.plugins.qwen3_5.layers import BatchLayout, DecoderLayerWeights, finish_layer, full_attention
+from ninfer.plugins.qwen3_5.model import (
+    ForwardBatchError,
+    Qwen35Model,
+    WeightLoader,
+    check_rows,
+    load_decoder_layer,
+)
+from ninfer.plugins.qwen3_5.weights import MTP_PREFIX, mtp_weights
+
+
+@attrs.frozen
+class MTPWeights:
+    pre_fc_norm_embedding: torch.Tensor
+    pre_fc_norm_hidden: torch.Tensor
+    fc: torch.Tensor  # [H, 2H]
+    layers: tuple[DecoderLayerWeights, ...]
+    norm: torch.Tensor
+
+
+class Qwen35MTP:
+    """MTP drafter step. ``spec`` describes its own KV (one attention layer per MTP layer, no recurrent state)."""
+
+    def __init__(self, model: Qwen35Model, weights: MTPWeights) -> None:
+        self.model = model
+        self.weights = weights
+        config = model.config
+        self.spec = RuntimeSpec(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            attention_layers=tuple(
+                AttentionLayerSpec(config.num_hidden_layers + index, config.num_key_value_heads, config.head_dim)
+                for index in range(len(weights.layers))
+            ),
+            recurrent_layers=(),
+            dtype=model.dtype,
+            device=model.device,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    @classmethod
+    def load(cls, loader: WeightLoader, model: Qwen35Model) -> "Qwen35MTP | None":
+        """The MTP module, or None when the config declares none or the artifact carries no ``mtp.*`` tensors.
+
+        A partial or mis-shaped set of ``mtp.*`` tensors is a WeightMismatchError.
+        """
+        config = model.config
+        expected = mtp_weights(config)
+        if not expected or not any(name.startswith(MTP_PREFIX) for name in loader.present):
+            return None
+        loader.check(expected)
+        loader.check_no_extras(expected, within=MTP_PREFIX)
+        weights = MTPWeights(
+            pre_fc_norm_embedding=loader.take(f"{MTP_PREFIX}pre_fc_norm_embedding.weight"),
+            pre_fc_norm_hidden=loader.take(f"{MTP_PREFIX}pre_fc_norm_hidden.weight"),
+            fc=loader.take(f"{MTP_PREFIX}fc.weight"),
+            layers=tuple(
+                load_decoder_layer(loader, f"{MTP_PREFIX}layers.{index}.", FULL_ATTENTION, config)
+                for index in range(config.mtp_num_hidden_layers)
+            ),
+            norm=loader.take(f"{MTP_PREFIX}norm.weight"),
+        )
+        return cls(model, weights)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        page_tables: torch.Tensor,
+        kv: KVCache,
+        *,
+        logits: Literal["last", "all", "none"] = "all",
+        step: int = 0,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One MTP step over a flat batch of rows (same layout rules as the trunk's ``ForwardBatch``).
+
+        ``token_ids [T]`` are the next tokens, ``hidden [T, H]`` the matching final-normed hidden states,
+        ``positions [3, T]``. Writes the MTP layer's KV into ``kv`` (allocated from ``self.spec``). Returns fp32
+        logits (``[T, V]`` for "all", ``[R, V]`` for "last", None for "none") and the post-norm hidden ``[T, H]``.
+        ``step`` picks the MTP layer (``step % num_layers``) when a checkpoint has several.
+        """
+        model, weights, config = self.model, self.weights, self.model.config
+        if hidden.dim() != 2 or hidden.shape != (token_ids.shape[0], config.hidden_size):
+            raise ForwardBatchError(
+                f"MTP hidden must be [T={token_ids.shape[0]}, H={config.hidden_size}]; got {tuple(hidden.shape)}"
+            )
+        if logits not in ("last", "all", "none"):
+            raise ForwardBatchError(f"MTP logits must be 'last', 'all' or 'none', got {logits!r}")
+        if len(kv.key) != len(weights.layers):
+            raise ForwardBatchError(f"the MTP KV cache has {len(kv.key)} layers, the MTP module {len(weights.layers)}")
+        check_rows(token_ids.shape[0], positions, query_lens, context_lens, page_tables, kv.page_size)
+        layer_index = step % len(weights.layers)
+        layer = weights.layers[layer_index]
+        eps = config.rms_norm_eps
+        embedded = rms_norm(model.embed(token_ids), weights.pre_fc_norm_embedding, eps, zero_centered=True)
+        previous = rms_norm(hidden.to(model.device, model.dtype), weights.pre_fc_norm_hidden, eps, zero_centered=True)
+        x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
+        layout = BatchLayout.build(query_lens, context_lens, page_tables, kv.page_size, None, model.device)
+        normed = rms_norm(x, layer.input_layernorm, eps, zero_centered=True)
+        mixed = full_attention(
+            layer.mixer,  # type: ignore[arg-type]
+            config,
+            normed,
+            model.rotary(positions),
+            layout,
+            kv.key[layer_index],
+            kv.value[layer_index],
+        )
+        out = rms_norm(finish_layer(layer, config, x, mixed), weights.norm, eps, zero_centered=True)
+        if logits == "none":
+            return None, out
+        selected = out if logits == "all" else out[layout.last_token_index]
+        return model.logits(selected), out

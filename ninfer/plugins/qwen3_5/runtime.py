@@ -1,0 +1,117 @@
+"""``load_runtime``: the Qwen3.5 model runtime the engine drives through ``ninfer.core.runtime.ModelRuntime``."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.core.artifact import Artifact
+from ninfer.core.errors import ConfigError
+from ninfer.core.runtime import (
+    AttentionLayerSpec,
+    ForwardBatch,
+    ForwardOutput,
+    KVCache,
+    LoadOptions,
+    RecurrentLayerSpec,
+    RuntimeSpec,
+    StateCache,
+)
+from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
+from ninfer.plugins.qwen3_5.layers import BatchLayout
+from ninfer.plugins.qwen3_5.model import ForwardBatchError, Qwen35Model, WeightLoader, check_rows
+from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
+
+
+def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.device) -> RuntimeSpec:
+    """What the engine allocates: paged KV per full-attention layer, a StateImage part per Gated-DeltaNet layer."""
+    return RuntimeSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        attention_layers=tuple(
+            AttentionLayerSpec(index, config.num_key_value_heads, config.head_dim)
+            for index in config.full_attention_layers
+        ),
+        recurrent_layers=tuple(
+            RecurrentLayerSpec(
+                layer_index=index,
+                conv_dim=config.conv_dim,
+                conv_window=config.linear_conv_kernel_dim - 1,
+                num_value_heads=config.linear_num_value_heads,
+                key_head_dim=config.linear_key_head_dim,
+                value_head_dim=config.linear_value_head_dim,
+            )
+            for index in config.linear_attention_layers
+        ),
+        dtype=dtype,
+        device=device,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+class Qwen35Runtime:
+    """The hybrid Gated-DeltaNet trunk plus, when the artifact carries it, the MTP drafter (``mtp``)."""
+
+    def __init__(self, model: Qwen35Model, mtp: Qwen35MTP | None) -> None:
+        self.model = model
+        self.config = model.config
+        self.mtp = mtp
+        self.spec = runtime_spec(model.config, model.dtype, model.device)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
+        """One traversal: each row continues its KV pages and state slot with ``query_lens[row]`` new tokens.
+
+        ``logits``/``hidden`` are per row for "last" and per token for "all"; with "none" there are no logits and
+        ``hidden`` (if asked for) is per token. ``states`` holds the recurrent state after every new token when
+        ``capture_states`` is set.
+        """
+        self._check(batch, kv, state)
+        device = self.model.device
+        layout = BatchLayout.build(
+            batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device
+        )
+        with torch.no_grad():
+            hidden, captured = self.model.run(
+                batch.token_ids, batch.positions, layout, kv, state, batch.capture_states
+            )
+            selected = hidden[layout.last_token_index] if batch.logits == "last" else hidden
+            logits = None if batch.logits == "none" else self.model.logits(selected)
+        return ForwardOutput(logits=logits, hidden=selected if batch.return_hidden else None, states=captured)
+
+    def _check(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> None:
+        if batch.logits not in ("last", "all", "none"):
+            raise ForwardBatchError(f"logits must be 'last', 'all' or 'none', got {batch.logits!r}")
+        if batch.token_ids.dim() != 1:
+            raise ForwardBatchError(f"token_ids must be a flat [T] tensor; got {tuple(batch.token_ids.shape)}")
+        check_rows(
+            batch.token_ids.shape[0], batch.positions, batch.query_lens, batch.context_lens, batch.page_tables,
+            kv.page_size,
+        )
+        rows = batch.num_rows
+        if tuple(batch.state_slots.shape) != (rows,):
+            raise ForwardBatchError(f"state_slots must be [{rows}]; got {tuple(batch.state_slots.shape)}")
+        slots = batch.state_slots.tolist()
+        if len(set(slots)) != rows or min(slots) < 0 or max(slots) >= state.num_slots:
+            raise ForwardBatchError(f"state_slots {slots} must be distinct slots in [0, {state.num_slots})")
+        if len(kv.key) != len(self.spec.attention_layers) or len(state.ssm) != len(self.spec.recurrent_layers):
+            raise ForwardBatchError(
+                f"caches have {len(kv.key)} KV layers and {len(state.ssm)} state layers; this model needs "
+                f"{len(self.spec.attention_layers)} and {len(self.spec.recurrent_layers)}"
+            )
+        low, high = int(batch.token_ids.min()), int(batch.token_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ForwardBatchError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")
+
+
+def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
+    """Build the runtime from an opened artifact: checks every tensor, loads the trunk and (if present) MTP."""
+    try:
+        dtype = options.torch_dtype()
+        device = torch.device(options.device)
+    except (KeyError, RuntimeError) as exc:
+        raise ConfigError(f"invalid load options {options!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {options.device!r} was requested but CUDA is not available")
+    config = Qwen35TextConfig.from_hf(artifact.manifest.config, artifact.manifest.architecture)
+    loader = WeightLoader(artifact, dtype, device)
+    model = Qwen35Model.load(loader, config)
+    return Qwen35Runtime(model, Qwen35MTP.load(loader, model))

@@ -1,0 +1,153 @@
+"""Tiny random-weight Qwen3.5 checkpoints of the real architecture (dense or MoE, optional MTP) for tests and demos.
+
+The structure is the real one at toy width: 8 layers (3 Gated-DeltaNet + 1 full attention, twice), GQA, grouped
+value heads, partial interleaved MRoPE, a small vision tower, the real padded vocabulary (the real tokenizer's ids
+reach 248076) and the real special token ids. Weights are deterministic from the seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from ninfer.core.errors import ConfigError
+from ninfer.plugins.qwen3_5.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
+from ninfer.plugins.qwen3_5.weights import expected_weights
+
+VOCAB_SIZE = 248320
+END_OF_TEXT = 248044
+IM_END = 248046
+_INIT_STD = 0.02
+_FAMILIES = {"qwen3_5": DENSE_CONDITIONAL, "qwen3_5_moe": MOE_CONDITIONAL}
+
+
+class TinyOptions(Protocol):
+    family: str
+    mtp: bool
+    seed: int
+
+
+@attrs.frozen
+class TinyModel:
+    """A tiny checkpoint: ``tensors`` are exactly ``expected_weights(config)``, bf16."""
+
+    architecture: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    generation_defaults: dict[str, Any]
+
+
+def tiny_config(family: str, *, mtp: bool) -> dict[str, Any]:
+    """A full HF-style ``config.json`` (with ``text_config`` and ``vision_config``) of a tiny model."""
+    if family not in _FAMILIES:
+        raise ConfigError(f"unknown tiny model family {family!r}; expected one of {sorted(_FAMILIES)}", param="family")
+    moe = family == "qwen3_5_moe"
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    text: dict[str, Any] = {
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "layer_types": layer_types * 2,
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],  # [11, 11, 10] scaled to the 4 frequencies of rotary dim 8
+            "mrope_interleaved": True,
+        },
+        "partial_rotary_factor": 0.25,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1 if mtp else 0,
+        "mtp_use_dedicated_embeddings": False,
+        "mamba_ssm_dtype": "float32",
+        "initializer_range": _INIT_STD,
+        "eos_token_id": END_OF_TEXT,
+        "dtype": "bfloat16",
+    }
+    if moe:
+        text.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            router_aux_loss_coef=0.001,
+        )
+    else:
+        text["intermediate_size"] = 128
+    vision = {
+        "model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 64,
+        "hidden_act": "gelu_pytorch_tanh",
+        "deepstack_visual_indexes": [],
+    }
+    return {
+        "architectures": [_FAMILIES[family]],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+    }
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Real-style initialisation: zero-centred norms near 0, GDN output norm near 1, A/dt like HF, linears N(0, .02)."""
+    if name.endswith("linear_attn.A_log"):
+        return torch.empty(shape).uniform_(0.01, 16, generator=generator).log_()
+    if name.endswith("linear_attn.dt_bias"):
+        return torch.ones(shape)
+    if name.endswith("linear_attn.conv1d.weight"):
+        bound = 1.0 / math.sqrt(shape[-1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    noise = torch.randn(shape, generator=generator) * _INIT_STD
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + noise
+    if name.startswith("model.visual.") and ".norm" in name:  # LayerNorms: weight 1, bias 0
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    return noise
+
+
+def make_tiny(options: TinyOptions) -> TinyModel:
+    """A tiny model of ``options.family`` (with MTP weights if ``options.mtp``), deterministic from ``options.seed``."""
+    config = tiny_config(options.family, mtp=bool(options.mtp))
+    generator = torch.Generator().manual_seed(int(options.seed))
+    tensors = {
+        name: _init_tensor(name, shape, generator).to(torch.bfloat16)
+        for name, shape in expected_weights(config).items()
+    }
+    return TinyModel(
+        architecture=config["architectures"][0],
+        config=config,
+        tensors=tensors,
+        generation_defaults={"eos_token_ids": [IM_END, END_OF_TEXT], "temperature": 1.0, "top_p": 0.95, "top_k": 20},
+    )
