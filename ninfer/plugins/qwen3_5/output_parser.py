@@ -93,16 +93,21 @@ class QwenOutputDecoder:
 
     ``tools`` is the effective callable set (empty: nothing is ever a call). ``starts_in_reasoning``: the prompt
     ended inside ``<think>`` (thinking enabled). ``tolerant`` selects ``--tolerant-tool-calls`` recovery.
+    ``continues_content``: the output continues an assistant prefill's text, so its leading newlines are content
+    (they are kept instead of stripped); it cannot be combined with ``starts_in_reasoning``.
     """
 
-    def __init__(self, tools: Sequence[ToolSpec], *, starts_in_reasoning: bool, tolerant: bool = False) -> None:
+    def __init__(self, tools: Sequence[ToolSpec], *, starts_in_reasoning: bool, tolerant: bool = False,
+                 continues_content: bool = False) -> None:
+        if starts_in_reasoning and continues_content:
+            raise OutputDecoderError("an output cannot both start in reasoning and continue prefilled content")
         self._tools = ToolIndex(tools)
         self._tolerant = tolerant
         self._in_reasoning = bool(starts_in_reasoning)
         self._held_newlines = 0         # a trailing "\n" run of reasoning (maybe the run before "</think>")
         self._held_partial = ""         # a partial "</think>" after that run
         self._reasoning_started = False
-        self._content_started = False
+        self._content_started = bool(continues_content)  # a started content channel keeps leading newlines
         self._content_held = ""         # a partial "<tool_call>" (tools declared, before the region)
         self._marker_tail = ""          # last characters of content, to see the marker when no tools are declared
         self._region: ToolCallRegionParser | None = None

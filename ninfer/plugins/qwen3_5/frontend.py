@@ -1,0 +1,259 @@
+"""The Qwen frontend: a normalized Conversation -> prompt token ids, thinking/effort resolution, and the decoder.
+
+Thinking and effort follow the Chat Completions rules (Responses and Anthropic reuse them): ``reasoning_effort``
+"none" turns thinking off, a tier the loaded template exposes selects it, any other OpenAI value is rejected with
+``reasoning_effort_not_supported``; ``enable_thinking`` must agree with the effort; omitted, thinking follows
+``--no-thinking`` and the effort the template's declared default. Capabilities come from the artifact's own
+``frontend/chat_template.jinja``, never from a model name. Conversation lowering lives in
+:mod:`ninfer.plugins.qwen3_5.prompt`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import attrs
+
+from ninfer.core.artifact import CHAT_TEMPLATE_RESOURCE
+from ninfer.core.chat_template import EFFORT_VOCABULARY, ChatTemplate
+from ninfer.core.conversation import Conversation, GenerationOptions
+from ninfer.core.descriptors import ModelFamily, SamplingPreset
+from ninfer.core.engine.loader import eos_token_ids
+from ninfer.core.engine.request import BudgetClose
+from ninfer.core.errors import ArtifactError, CapacityError, InvalidRequestError, NotYetAvailableError
+from ninfer.core.frontend import PreparedPrompt, PromptCapabilities
+from ninfer.plugins.qwen3_5.output_parser import (
+    THINK_CLOSE,
+    OutputDecoderError,
+    QwenOutputDecoder,
+    thinking_budget_control_text,
+)
+from ninfer.plugins.qwen3_5.prompt import INVALID_PROMPT, lower, tool_specs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.artifact import Manifest, ModelSource
+    from ninfer.core.config import ServeConfig
+    from ninfer.core.tokenizer import Tokenizer
+
+EFFORT_NONE = "none"
+TURN_CLOSE = "<|im_end|>\n"
+
+
+@attrs.frozen
+class ThinkingMode:
+    """A request's resolved thinking mode.
+
+    ``requested_effort`` is the client's value (None when omitted); ``resolved_effort`` is "none" when thinking is
+    off, the effective tier when the template is tiered, and None when thinking is on without tiers.
+    """
+
+    thinking: bool
+    requested_effort: str | None
+    resolved_effort: str | None
+
+
+@attrs.frozen
+class RenderedPrompt:
+    """A conversation rendered to prompt text, with the modes it was rendered under."""
+
+    text: str
+    mode: ThinkingMode
+    preserve_thinking: bool
+    prefill: bool
+    media_items: int
+
+
+def resolve_thinking(conversation: Conversation, capabilities: PromptCapabilities, *,
+                     default_thinking: bool) -> ThinkingMode:
+    """Apply the reasoning_effort / enable_thinking rules (see the module docstring)."""
+    effort = conversation.reasoning_effort
+    effort_thinking: bool | None = None
+    if effort is not None:
+        if effort == EFFORT_NONE:
+            effort_thinking = False
+        elif effort in EFFORT_VOCABULARY:
+            if effort not in capabilities.effort_levels:
+                exposed = ", ".join((EFFORT_NONE, *capabilities.effort_levels))
+                raise InvalidRequestError(
+                    f"reasoning_effort {effort!r} is not supported by the loaded chat template (supported: {exposed})",
+                    param="reasoning_effort", code="reasoning_effort_not_supported")
+            effort_thinking = True
+        else:
+            choices = ", ".join((EFFORT_NONE, *EFFORT_VOCABULARY))
+            raise InvalidRequestError(f"reasoning_effort: {effort!r} is not one of {choices}",
+                                      param="reasoning_effort")
+    requested = conversation.enable_thinking
+    if requested is not None and effort_thinking is not None and requested != effort_thinking:
+        raise InvalidRequestError(
+            f"enable_thinking={str(requested).lower()} contradicts reasoning_effort {effort!r}",
+            param="enable_thinking", code="conflicting_template_option")
+    if requested is not None:
+        thinking = requested
+    elif effort_thinking is not None:
+        thinking = effort_thinking
+    else:
+        thinking = default_thinking
+    if not thinking:
+        resolved: str | None = EFFORT_NONE
+    elif capabilities.effort_levels:
+        resolved = effort if effort_thinking else capabilities.default_effort
+    else:
+        resolved = None
+    return ThinkingMode(thinking=thinking, requested_effort=effort, resolved_effort=resolved)
+
+
+def family_for(manifest: Manifest) -> ModelFamily:
+    """The registered family of ``manifest``: built-ins first, then entry-point plugins (e.g. a family that reuses
+    this frontend)."""
+    from ninfer.core.plugins import load_plugin_manager
+
+    try:
+        return load_plugin_manager(entry_points=False).registries.family_for(manifest)
+    except ArtifactError:
+        return load_plugin_manager().registries.family_for(manifest)
+
+
+class QwenFrontend:
+    """:class:`ninfer.core.frontend.Frontend` for Qwen3.5/3.6/3.8 chat templates.
+
+    The template is compiled and its capabilities resolved at construction (a broken template fails at startup).
+    ``family`` supplies the sampling presets; by default the registered family that recognizes the artifact.
+    """
+
+    def __init__(self, artifact: ModelSource, config: ServeConfig, tokenizer: Tokenizer, *,
+                 family: ModelFamily | None = None) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        manifest = artifact.manifest
+        self.template = ChatTemplate(artifact.resource_text(CHAT_TEMPLATE_RESOURCE),
+                                     name=f"{artifact.path}:{CHAT_TEMPLATE_RESOURCE}")
+        self.capabilities = PromptCapabilities(**attrs.asdict(self.template.capabilities))
+        if not self.capabilities.supports_enable_thinking:
+            raise ArtifactError(f"chat template {self.template.name} has no enable_thinking switch, which the "
+                                "Qwen frontend needs to open or close the thinking block")
+        self.stop_token_ids = eos_token_ids(manifest)
+        if not self.stop_token_ids:
+            raise ArtifactError(f"{artifact.path}: the artifact declares no end-of-sequence token id")
+        close_ids = tokenizer.encode(THINK_CLOSE)
+        if len(close_ids) != 1:
+            raise ArtifactError(f"{artifact.path}: the tokenizer has no single token for {THINK_CLOSE!r}")
+        self.think_close_id = close_ids[0]
+        self.budget_insert_ids = tuple(tokenizer.encode(thinking_budget_control_text()))
+        family = family if family is not None else family_for(manifest)
+        presets: Mapping[str, SamplingPreset] = family.sampling_presets(manifest) if family.sampling_presets else {}
+        self._presets = {True: presets.get("thinking"), False: presets.get("non_thinking")}
+
+    # -- the Frontend contract ----------------------------------------------------------------------------------
+
+    def prepare(self, conversation: Conversation, options: GenerationOptions) -> PreparedPrompt:
+        """Render and tokenize ``conversation`` and resolve everything generation and decoding need."""
+        rendered = self.render(conversation)
+        token_ids = self._tokenize(rendered)
+        limit = self._config.max_context
+        if len(token_ids) > limit:
+            raise CapacityError(f"the prompt is {len(token_ids)} tokens, more than the context limit of {limit} "
+                                "tokens", param="messages")
+        max_tokens = options.max_tokens if options.max_tokens is not None else self._config.default_max_tokens
+        capacity = min(max_tokens, limit - len(token_ids))
+        return PreparedPrompt(
+            token_ids=token_ids,
+            thinking=rendered.mode.thinking,
+            preserve_thinking=rendered.preserve_thinking,
+            requested_effort=rendered.mode.requested_effort,
+            resolved_effort=rendered.mode.resolved_effort,
+            stop_token_ids=self.stop_token_ids,
+            sampling_preset=self._presets[rendered.mode.thinking],
+            budget_close=self._budget_close(conversation, rendered.mode, capacity),
+            conversation=conversation,
+        )
+
+    def decoder(self, prepared: PreparedPrompt) -> QwenOutputDecoder:
+        """The output decoder of a prepared request: its callable tools, start channel and tolerance."""
+        conversation = prepared.conversation
+        if conversation is None:
+            raise OutputDecoderError("a decoder needs the prepared prompt's conversation")
+        prefill = conversation.continue_final_message
+        return QwenOutputDecoder(tool_specs(conversation.callable_tools),
+                                 starts_in_reasoning=prepared.thinking and not prefill,
+                                 tolerant=self._config.tolerant_tool_calls, continues_content=prefill)
+
+    def count_tokens(self, conversation: Conversation) -> int:
+        """Prompt tokens of ``conversation`` (the prepare path without the generation limits)."""
+        return len(self._tokenize(self.render(conversation)))
+
+    # -- rendering ----------------------------------------------------------------------------------------------
+
+    def render(self, conversation: Conversation) -> RenderedPrompt:
+        """The prompt text of ``conversation`` and the modes it was rendered under."""
+        mode = resolve_thinking(conversation, self.capabilities, default_thinking=not self._config.no_thinking)
+        preserve = (conversation.preserve_thinking if conversation.preserve_thinking is not None
+                    else self._config.preserve_thinking)
+        prefill = conversation.continue_final_message
+        if prefill:
+            self._check_prefill(conversation, mode)
+        lowered = lower(conversation)
+        if lowered.media_items and not self._config.vision:
+            raise InvalidRequestError("image and video input needs a server started with --vision",
+                                      param="messages", code="vision_disabled")
+        options: dict[str, Any] = {"enable_thinking": mode.thinking, "preserve_thinking": preserve}
+        if mode.thinking and self.capabilities.effort_levels and mode.resolved_effort is not None:
+            options["reasoning_effort"] = mode.resolved_effort
+        text = self.template.render(list(lowered.messages), tools=list(lowered.tools) or None,
+                                    add_generation_prompt=not prefill, **options)
+        text = lowered.substitute_system_blocks(text)
+        if prefill:
+            text = self._open_final_turn(text, conversation)
+        return RenderedPrompt(text=text, mode=mode, preserve_thinking=preserve, prefill=prefill,
+                              media_items=lowered.media_items)
+
+    @staticmethod
+    def _check_prefill(conversation: Conversation, mode: ThinkingMode) -> None:
+        final = conversation.messages[-1] if conversation.messages else None
+        if final is None or final.role != "assistant":
+            problem = "the final message is not an assistant message"
+        elif final.tool_calls or final.has_media:
+            problem = "the final assistant message carries tool calls or media"
+        elif mode.thinking:
+            problem = "thinking is enabled"
+        else:
+            return
+        raise InvalidRequestError(f"cannot continue the final assistant message: {problem}", param="messages",
+                                  code=INVALID_PROMPT)
+
+    @staticmethod
+    def _open_final_turn(text: str, conversation: Conversation) -> str:
+        """Drop the closing of the rendered final assistant turn so generation continues its text."""
+        tail = conversation.messages[-1].text.strip() + TURN_CLOSE
+        if not text.endswith(tail):
+            raise InvalidRequestError("the chat template does not end the final assistant turn with its text, so it "
+                                      "cannot be continued", param="messages", code=INVALID_PROMPT)
+        return text[:-len(TURN_CLOSE)]
+
+    def _tokenize(self, rendered: RenderedPrompt) -> tuple[int, ...]:
+        if rendered.media_items:
+            raise NotYetAvailableError("image and video prompts are not yet available: media preprocessing and "
+                                       "vision-token expansion have not been implemented")
+        return tuple(self._tokenizer.encode(rendered.text))
+
+    # -- thinking budget ----------------------------------------------------------------------------------------
+
+    def _budget_close(self, conversation: Conversation, mode: ThinkingMode, capacity: int) -> BudgetClose | None:
+        """The thinking-budget policy of a thinking request (None without a budget or with thinking off)."""
+        if not mode.thinking:
+            return None
+        budget = conversation.thinking_budget
+        if budget is None:
+            budget = self._config.default_thinking_budget
+        if budget is None:
+            return None
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise InvalidRequestError(f"thinking budget must be a positive integer, got {budget!r}",
+                                      param="thinking_budget")
+        needed = budget + len(self.budget_insert_ids) + 1
+        if budget < capacity < needed:
+            raise InvalidRequestError(
+                f"the output capacity of {capacity} tokens extends past the thinking budget of {budget} tokens but "
+                f"cannot fit the {len(self.budget_insert_ids)}-token early-close guidance plus one more token "
+                f"(needs at least {needed}); raise the output limit or lower the budget",
+                param="max_tokens", code="thinking_budget_capacity_insufficient")
+        return BudgetClose(limit=budget, close_token_id=self.think_close_id, insert_token_ids=self.budget_insert_ids)
