@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 import click
 
 from ninfer import __version__
+from ninfer.bench import bench_command
 from ninfer.core.config import ServeConfig, option_flag, serve_options
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError, NotYetAvailableError
 from ninfer.core.plugins import PluginManager, load_plugin_manager
@@ -167,6 +168,7 @@ def _serve(ctx: click.Context, artifact: str | None, print_config: bool, **optio
 
 
 cli.add_command(_serve_command())
+cli.add_command(bench_command)
 
 
 # -- plugins list ----------------------------------------------------------------------------------

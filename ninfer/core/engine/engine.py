@@ -1,0 +1,240 @@
+"""The resident Engine: submit requests from any thread; one executor thread runs them on the model."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Mapping
+
+import attrs
+
+from ninfer.core.descriptors import SamplingPreset
+from ninfer.core.engine.admission import AdmissionController, AdmissionTicket
+from ninfer.core.engine.config import EngineConfig
+from ninfer.core.engine.executor import Executor
+from ninfer.core.engine.handle import RequestHandle
+from ninfer.core.engine.memory import EngineMemory, MemoryStats
+from ninfer.core.engine.pages import pages_for
+from ninfer.core.engine.request import GenerationRequest, SamplingParams
+from ninfer.core.engine.sampler import RowSampler, fresh_seed, resolve_sampling
+from ninfer.core.engine.sequence import Sequence
+from ninfer.core.engine.stops import OutputText
+from ninfer.core.errors import CapacityError, InvalidRequestError
+from ninfer.core.runtime import ModelRuntime
+
+THINKING_BUDGET_CODE = "thinking_budget_capacity_insufficient"
+
+
+@attrs.frozen
+class EngineStats:
+    """A point-in-time view of the engine: scheduler counts and pool occupancy."""
+
+    healthy: bool
+    outstanding: int
+    waiting: int
+    prefilling: int
+    decoding: int
+    memory: MemoryStats
+
+
+class Engine:
+    """Batches up to ``max_concurrency`` requests over one model runtime.
+
+    ``tokenizer`` (a :class:`ninfer.core.tokenizer.Tokenizer`) enables text output and stop strings and
+    bounds sampling to real token ids; ``eos_token_ids`` end every request that does not set ``ignore_eos``.
+    """
+
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(token) for token in eos_token_ids)
+        self.vocab_limit = min(self.spec.vocab_size, tokenizer.vocab_size) if tokenizer is not None else None
+        self._admission = AdmissionController(
+            self.config.max_concurrency, self.config.max_pending_requests, self.config.pending_timeout_ms
+        )
+        self._memory = EngineMemory(self.spec, self.config)
+        self._executor = Executor(runtime, self.config, self._memory, self.vocab_limit, self._admission.close)
+        self._ids = itertools.count(1)
+        self._executor.start()
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """False after an engine-wide failure or shutdown: the engine accepts no more work."""
+        return self._executor.failure is None and self._executor.alive
+
+    @property
+    def failure(self) -> str | None:
+        return self._executor.failure
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._memory.kv_capacity_tokens
+
+    def stats(self) -> EngineStats:
+        scheduler = self._executor.scheduler
+        return EngineStats(
+            healthy=self.healthy,
+            outstanding=self._admission.outstanding,
+            waiting=len(scheduler.waiting),
+            prefilling=len(scheduler.prefilling),
+            decoding=len(scheduler.decoding),
+            memory=self._memory.stats(),
+        )
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every prefix checkpoint (runs on the executor between steps)."""
+        self._executor.call(self._memory.cache.clear)
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    def resolve_sampling(self, preset: SamplingPreset | None, request_fields: Mapping[str, Any]) -> SamplingParams:
+        """Family preset -> this engine's process overrides -> request fields -> ``greedy``."""
+        return resolve_sampling(preset, self.config.sampling_overrides, request_fields, self.config.greedy)
+
+    # -- submission ----------------------------------------------------------------------------------
+
+    def reserve_slot(self) -> AdmissionTicket:
+        """Take lifetime capacity before preparing a prompt; raises ServerOverloadedError when full.
+
+        The pending deadline starts now. Pass the ticket to :meth:`submit` (which then owns it) or
+        release it if preparation fails.
+        """
+        return self._admission.reserve()
+
+    def submit(self, request: GenerationRequest, ticket: AdmissionTicket | None = None) -> RequestHandle:
+        """Queue ``request``; events and the outcome arrive through the returned handle.
+
+        Errors decidable now (invalid request, a request that can never fit, a passed deadline, an
+        unavailable engine) are raised here and release the ticket; later ones arrive through the handle.
+        """
+        ticket = ticket if ticket is not None else self._admission.reserve()
+        try:
+            if ticket.released:
+                raise InvalidRequestError("this admission ticket has already been released")
+            if ticket.expired():
+                raise ticket.timeout_error()
+            seq = self._sequence(request, ticket)
+            self._executor.post(seq)
+        except BaseException:
+            ticket.release()
+            raise
+        return seq.handle
+
+    def _sequence(self, request: GenerationRequest, ticket: AdmissionTicket) -> Sequence:
+        prompt = request.prompt_token_ids
+        self._check_prompt(prompt)
+        params = request.sampling
+        if self.config.greedy and params.temperature != 0.0:
+            params = attrs.evolve(params, temperature=0.0)
+        if params.seed is None:
+            params = attrs.evolve(params, seed=fresh_seed())
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_max_tokens
+        max_output = min(max_tokens, self.config.max_context - len(prompt))
+        self._check_fits(len(prompt), max_output)
+        self._check_stops(params)
+        self._check_budget_close(request, max_output)
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        assert params.seed is not None
+        handle = RequestHandle(request_id, ticket, self._executor.wake)
+        return Sequence(
+            request_id=request_id,
+            request=request,
+            handle=handle,
+            ticket=ticket,
+            sampler=RowSampler(params, params.seed, self.spec.vocab_size, self.spec.device),
+            text=OutputText(self._detokenizer(), params.stop),
+            stop_token_ids=frozenset(stop_ids),
+            max_output=max_output,
+            tokens=list(prompt),
+            prompt_len=len(prompt),
+        )
+
+    def _detokenizer(self) -> Any | None:
+        if self.tokenizer is None:
+            return None
+        from ninfer.core.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer)
+
+    def _check_prompt(self, prompt: tuple[int, ...]) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", code="invalid_prompt")
+        vocab = self.spec.vocab_size
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompt token id {token!r} is outside the model vocabulary [0, {vocab})", code="invalid_prompt"
+                )
+        if len(prompt) > self.config.max_context:
+            raise CapacityError(
+                f"the prompt has {len(prompt)} tokens, more than the context ceiling of "
+                f"{self.config.max_context} tokens (--max-context)",
+                param="messages",
+            )
+
+    def _check_fits(self, prompt_len: int, max_output: int) -> None:
+        page_size = self._memory.page_size
+        needed = pages_for(prompt_len + max_output, page_size)
+        if needed > self._memory.num_pages:
+            raise CapacityError(
+                f"the prompt ({prompt_len} tokens) plus the output budget ({max_output} tokens) needs "
+                f"{needed * page_size} KV tokens, more than the KV capacity of {self._memory.num_pages * page_size} "
+                "tokens (--kv-capacity)",
+                param="max_tokens",
+            )
+
+    def _check_stops(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none", param="stop")
+        vocab = self.spec.vocab_size
+        for token in params.stop_token_ids:
+            if token >= vocab:
+                raise InvalidRequestError(
+                    f"stop token id {token} is outside the model vocabulary [0, {vocab})", param="stop_token_ids"
+                )
+
+    def _check_budget_close(self, request: GenerationRequest, max_output: int) -> None:
+        policy = request.budget_close
+        if policy is None:
+            return
+        vocab = self.vocab_limit or self.spec.vocab_size
+        for token in (policy.close_token_id, *policy.insert_token_ids):
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"budget-close token id {token} is outside the vocabulary [0, {vocab})",
+                    param="budget_close",
+                )
+        if policy.limit < max_output and max_output - policy.limit < len(policy.insert_token_ids) + 1:
+            raise InvalidRequestError(
+                f"the output budget of {max_output} tokens extends past the thinking budget of {policy.limit} "
+                f"tokens but cannot fit the {len(policy.insert_token_ids)}-token close sequence plus one more "
+                "token; raise the output limit or lower the thinking budget",
+                param="max_tokens",
+                code=THINKING_BUDGET_CODE,
+            )
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the executor: requests still in flight end as cancelled; later submits are refused."""
+        self._admission.close("the engine has shut down and accepts no more work")
+        self._executor.stop(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

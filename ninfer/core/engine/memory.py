@@ -1,0 +1,154 @@
+"""The engine's device memory: the paged KV pool, the StateImage slots, the prefix checkpoints, reservations.
+
+Admission reserves a request's full prompt + effective-output page entitlement up front: the pages it
+will allocate are *promised*, and a new request is admitted only when ``free - promised`` covers its own
+fresh pages (after evicting prefix checkpoints, least recently used first). An admitted request therefore
+never waits for memory.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ninfer.core.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
+from ninfer.core.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
+from ninfer.core.engine.prefix_cache import PrefixCache
+from ninfer.core.engine.sequence import Sequence
+from ninfer.core.errors import ConfigError
+from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
+
+
+def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec) -> int:
+    """The KV pool size in tokens: explicit, or ``auto`` (CUDA: free memory less 1 GiB; CPU: C * max_context)."""
+    if config.kv_capacity != AUTO:
+        return int(config.kv_capacity)
+    if spec.device.type != "cuda":
+        return config.max_context * config.max_concurrency
+    free_bytes, _total = torch.cuda.mem_get_info(spec.device)
+    per_token = spec.kv_bytes_per_token()
+    tokens = int((free_bytes - AUTO_HEADROOM_BYTES) // per_token) if per_token > 0 else config.max_context
+    if tokens < config.max_context:
+        raise ConfigError(
+            f"--kv-capacity auto: only {max(tokens, 0)} KV tokens fit in the free device memory "
+            f"({free_bytes / 2**30:.1f} GiB free, {AUTO_HEADROOM_BYTES / 2**30:.0f} GiB headroom, "
+            f"{per_token:.0f} bytes per token), fewer than --max-context {config.max_context}",
+            param="kv_capacity",
+        )
+    return tokens
+
+
+@attrs.frozen
+class MemoryStats:
+    """Pool occupancy: pages and slots free/total, what checkpoints hold, what admission promised."""
+
+    total_pages: int
+    free_pages: int
+    promised_pages: int
+    checkpoint_pages: int
+    total_slots: int
+    free_slots: int
+    checkpoints: int
+    page_size: int
+    kv_capacity_tokens: int
+
+
+class EngineMemory:
+    """Owns the KV and state tensors and decides which page/slot belongs to whom."""
+
+    def __init__(self, spec: RuntimeSpec, config: EngineConfig) -> None:
+        self.page_size = config.page_size
+        num_slots = config.max_concurrency + config.checkpoint_slots
+        self.state = StateCache.allocate(spec, num_slots)
+        self.kv_capacity_tokens = resolve_kv_capacity(config, spec)
+        num_pages = pages_for(self.kv_capacity_tokens, self.page_size)
+        self.kv = KVCache.allocate(spec, num_pages, self.page_size)
+        self.pages = PagePool(num_pages)
+        self.slots = SlotPool(num_slots)
+        self.cache = PrefixCache(config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state)
+        self.promised = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.num_pages
+
+    def stats(self) -> MemoryStats:
+        return MemoryStats(
+            total_pages=self.pages.num_pages,
+            free_pages=self.pages.free_count,
+            promised_pages=self.promised,
+            checkpoint_pages=self.cache.held_pages,
+            total_slots=self.slots.num_slots,
+            free_slots=self.slots.free_count,
+            checkpoints=len(self.cache),
+            page_size=self.page_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def try_admit(self, seq: Sequence, reuse: bool) -> bool:
+        """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait."""
+        hit = self.cache.lookup(seq.prompt) if reuse else None
+        shared_pages = len(hit.tokens) // self.page_size if hit is not None else 0
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - shared_pages
+        if self.pages.free_count - self.promised < fresh:
+            if self.pages.free_count - self.promised + self.cache.reclaimable_pages(keep=hit) < fresh:
+                return False
+            while self.pages.free_count - self.promised < fresh:
+                if not self.cache.evict_lru(keep=hit):
+                    return False
+        seq.slot = self.slots.acquire()
+        self.promised += fresh
+        seq.promised_pages = fresh
+        if hit is None:
+            self.state.reset(seq.slot)
+            return True
+        size = len(hit.tokens)
+        for page in hit.pages[:shared_pages]:
+            self.pages.ref(page)
+            seq.pages.append(page)
+        partial = size % self.page_size
+        if partial:
+            copy_kv_page(self.kv, hit.pages[shared_pages], self._allocate(seq), partial)
+        self.state.copy(hit.slot, seq.slot)
+        seq.fed = seq.cache_n = size
+        seq.last_logits, seq.last_logits_at = hit.logits, size
+        return True
+
+    def ensure_pages(self, seq: Sequence, tokens: int) -> None:
+        """Allocate pages (from the reservation) until ``seq`` can hold ``tokens`` tokens."""
+        while len(seq.pages) * self.page_size < tokens:
+            self._allocate(seq)
+
+    def _allocate(self, seq: Sequence) -> int:
+        if seq.promised_pages <= 0:
+            raise RuntimeError(f"request {seq.request_id} outgrew its admission reservation")
+        page = self.pages.allocate()
+        seq.promised_pages -= 1
+        self.promised -= 1
+        seq.pages.append(page)
+        return page
+
+    # -- checkpoints and release -------------------------------------------------------------------
+
+    def capture_prompt(self, seq: Sequence) -> None:
+        """Checkpoint the end of ``seq``'s prompt (its state is copied into a spare slot)."""
+        assert seq.slot is not None and seq.last_logits is not None
+        self.cache.capture(seq.prompt, seq.pages, seq.slot, seq.last_logits, take_slot=False)
+
+    def release(self, seq: Sequence, *, checkpoint: bool) -> None:
+        """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint."""
+        if seq.slot is None:
+            return
+        kept = False
+        if checkpoint and seq.fed > 0 and seq.last_logits is not None and seq.last_logits_at == seq.fed:
+            kept = self.cache.capture(seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True)
+        for page in seq.pages:
+            self.pages.release(page)
+        seq.pages = []
+        self.promised -= seq.promised_pages
+        seq.promised_pages = 0
+        if not kept:
+            self.slots.release(seq.slot)
+        seq.slot = None

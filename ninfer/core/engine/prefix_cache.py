@@ -1,0 +1,121 @@
+"""Prefix checkpoints: KV pages + a StateImage snapshot + the logits after the last fed token.
+
+A hybrid model can only resume where a recurrent-state snapshot exists, so reuse is checkpoint-based:
+a request whose prompt starts with (or equals) a checkpoint's exact tokens restores it and prefills only
+the rest. Checkpoints live in the H spare StateImage slots; the least recently used one is evicted when a
+slot is needed or when KV pages are short.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import attrs
+import torch
+
+from ninfer.core.engine.pages import PagePool, SlotPool, pages_for
+from ninfer.core.runtime import StateCache
+
+
+@attrs.define(eq=False)
+class Checkpoint:
+    """A resumable prefix: ``pages`` hold its tokens' KV, ``slot`` its recurrent state."""
+
+    tokens: tuple[int, ...]
+    pages: list[int]
+    slot: int
+    logits: torch.Tensor  # [V] fp32: the next-token logits after tokens[-1]
+    last_used: int
+
+
+class PrefixCache:
+    """At most ``capacity`` checkpoints, LRU-evicted."""
+
+    def __init__(self, capacity: int, page_size: int, pages: PagePool, slots: SlotPool, state: StateCache) -> None:
+        self.capacity = capacity
+        self.page_size = page_size
+        self._pages = pages
+        self._slots = slots
+        self._state = state
+        self._entries: list[Checkpoint] = []
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def held_pages(self) -> int:
+        """Distinct pages referenced by checkpoints."""
+        return len({page for entry in self._entries for page in entry.pages})
+
+    def reclaimable_pages(self, keep: Checkpoint | None = None) -> int:
+        """Pages that evicting every checkpoint except ``keep`` would return to the free list."""
+        refs = Counter(page for entry in self._entries if entry is not keep for page in entry.pages)
+        kept = set(keep.pages) if keep is not None else set()
+        return sum(1 for page, count in refs.items() if page not in kept and self._pages.ref_count(page) == count)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def lookup(self, prompt: Sequence[int]) -> Checkpoint | None:
+        """The longest checkpoint whose tokens are a prefix of (or equal to) ``prompt``."""
+        best: Checkpoint | None = None
+        for entry in self._entries:
+            size = len(entry.tokens)
+            if size > len(prompt) or (best is not None and size <= len(best.tokens)):
+                continue
+            if tuple(prompt[:size]) == entry.tokens:
+                best = entry
+        if best is not None:
+            best.last_used = self._tick()
+        return best
+
+    def capture(
+        self, tokens: Sequence[int], pages: Sequence[int], slot: int, logits: torch.Tensor, *, take_slot: bool
+    ) -> bool:
+        """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
+
+        ``take_slot`` hands the slot itself to the cache (a finished request); otherwise the state is
+        copied into a spare slot. Returns False (and takes nothing) when there is no room or an identical
+        checkpoint exists.
+        """
+        if self.capacity == 0 or not tokens:
+            return False
+        key = tuple(tokens)
+        for entry in self._entries:
+            if entry.tokens == key:
+                entry.last_used = self._tick()
+                return False
+        while len(self._entries) >= self.capacity:
+            self.evict_lru()
+        if take_slot:
+            snapshot_slot = slot
+        else:
+            snapshot_slot = self._slots.acquire()
+            self._state.copy(slot, snapshot_slot)
+        kept_pages = list(pages[: pages_for(len(key), self.page_size)])
+        for page in kept_pages:
+            self._pages.ref(page)
+        self._entries.append(Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick()))
+        return True
+
+    def evict_lru(self, keep: Checkpoint | None = None) -> bool:
+        """Drop the least recently used checkpoint other than ``keep``; False when there is none."""
+        candidates = [entry for entry in self._entries if entry is not keep]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda entry: entry.last_used)
+        self._drop(victim)
+        return True
+
+    def clear(self) -> None:
+        for entry in list(self._entries):
+            self._drop(entry)
+
+    def _drop(self, entry: Checkpoint) -> None:
+        self._entries.remove(entry)
+        for page in entry.pages:
+            self._pages.release(page)
+        self._slots.release(entry.slot)

@@ -1,0 +1,228 @@
+"""What a caller hands the engine (requests, sampling parameters) and what comes back (events, outcomes)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Sequence
+
+import attrs
+
+from ninfer.core.engine.timings import RequestTimings
+from ninfer.core.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+#: top_k is always capped at this many candidates; a requested top_k of 0 selects the cap.
+TOP_K_CAP = 20
+MAX_STOP_STRINGS = 4
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+def _invalid(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _check_range(param: str, value: float, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _invalid(param, f"expected a finite number, got {value!r}")
+    if not low <= value <= high:
+        raise _invalid(param, f"{value!r} is out of range [{low}, {high}]")
+
+
+def _int_tuple(values: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(values) if values is not None else ()
+
+
+def _str_tuple(values: str | Sequence[str] | None) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        return (values,)
+    return tuple(values)
+
+
+@attrs.frozen
+class SamplingParams:
+    """Sampler settings plus output limits of one request.
+
+    ``temperature`` 0 is greedy argmax. ``top_k`` 0 selects the top-20 cap (top_k is always capped at 20).
+    ``seed`` None draws a fresh random seed at submit. ``max_tokens`` None uses the engine's default.
+    ``stop`` holds up to four stop strings; ``stop_token_ids`` adds to the model's end-of-sequence ids
+    unless ``ignore_eos`` drops those.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= TOP_K_CAP:
+            raise _invalid("top_k", f"expected an integer in 0..{TOP_K_CAP} (0 selects the top-{TOP_K_CAP} cap), got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise _invalid("seed", f"expected a signed 64-bit integer, got {self.seed!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0
+        ):
+            raise _invalid("max_tokens", f"expected a non-negative integer, got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise _invalid("stop", f"stop strings must be non-empty strings, got {text!r}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise _invalid("stop_token_ids", f"expected non-negative token ids, got {token_id!r}")
+
+    @property
+    def effective_top_k(self) -> int:
+        return TOP_K_CAP if self.top_k == 0 else min(self.top_k, TOP_K_CAP)
+
+
+@attrs.frozen
+class BudgetClose:
+    """A budget-close policy: after ``limit`` generated tokens without ``close_token_id``, commit
+    ``insert_token_ids`` (fed through the model like generated tokens, never sampled) and continue.
+
+    The thinking budget is this policy with Qwen's early-close guidance ending in ``</think>``.
+    """
+
+    limit: int
+    close_token_id: int
+    insert_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise _invalid("budget_close.limit", f"expected a positive integer, got {self.limit!r}")
+        if not self.insert_token_ids:
+            raise _invalid("budget_close.insert_token_ids", "the control insert must contain at least one token")
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One generation: prompt token ids, sampling, an optional budget-close policy.
+
+    ``report_progress`` publishes :class:`ProgressEvent` after admission and after every prefill chunk.
+    """
+
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    budget_close: BudgetClose | None = None
+    report_progress: bool = False
+    request_id: str | None = None
+
+
+@attrs.frozen
+class StopMatch:
+    """Which stop ended a request: a stop token id or a stop string."""
+
+    token_id: int | None = None
+    string: str | None = None
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class GenerationOutcome:
+    """The terminal result of a request.
+
+    ``output_token_ids`` are every committed output token (sampled and control, including a stop token);
+    ``text`` is everything emitted as text (stop strings and stop-token text withheld).
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    stop: StopMatch | None
+    prompt_tokens: int
+    output_token_ids: tuple[int, ...]
+    text: str
+    cached_tokens: int
+    control_tokens: int
+    seed: int | None
+    sampling: SamplingParams
+    timings: RequestTimings
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+@attrs.frozen
+class TokensEvent:
+    """Newly committed output tokens and the text they released.
+
+    ``control`` marks tokens the engine inserted without sampling (budget close). ``text`` may be empty
+    while bytes or a possible stop string are held back, and may carry text held back from earlier tokens.
+    ``time`` is the monotonic commit time; ``timings`` the cumulative snapshot at this commit.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    control: bool
+    completion_tokens: int
+    time: float
+    timings: RequestTimings
+
+
+@attrs.frozen
+class AdmittedEvent:
+    """The admission commit: the request holds a lane and its exact reused prefix is decided.
+
+    Always the first event of an admitted request; ``cached_tokens`` of ``prompt_tokens`` come from a
+    prefix checkpoint (the Anthropic ``message_start`` usage split is exact from here on).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    time: float
+
+
+@attrs.frozen
+class ProgressEvent:
+    """Prompt-processing progress (llama.cpp ``prompt_progress``): cumulative, never moving backwards."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": round(self.time_ms)}
+
+
+@attrs.frozen
+class FinishEvent:
+    """The last event of a successful request."""
+
+    outcome: GenerationOutcome
+
+
+OutputEvent = AdmittedEvent | TokensEvent | ProgressEvent | FinishEvent
