@@ -1,17 +1,30 @@
-"""``ninfer serve``: resolve the artifact, check every selected capability, load the model, serve."""
+"""``ninfer serve``: resolve the artifact, check every selected capability, load the model, serve over HTTP.
+
+Startup: artifact (or the demo) -> model family -> runtime -> tokenizer -> Engine -> frontend -> HTTP app ->
+uvicorn on a tuned listening socket, then one readiness line. SIGINT/SIGTERM shut down gracefully: stop accepting
+connections, cancel every in-flight request, stop the engine, exit 0.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import contextlib
+import signal
+from typing import TYPE_CHECKING, Any, Iterator
+
+import uvicorn
 
 from ninfer.core.artifact import open_model_source
-from ninfer.core.errors import NotYetAvailableError
+from ninfer.core.errors import ConfigError, NotYetAvailableError
 from ninfer.core.observability import oplog
 from ninfer.core.runtime import LoadOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.config import ServeConfig
     from ninfer.core.plugins import PluginManager
+    from ninfer.protocols.server_app import ServerContext
+
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def check_capabilities(config: "ServeConfig", plugins: "PluginManager") -> None:
@@ -30,7 +43,72 @@ def device_for(config: "ServeConfig") -> str:
     return f"cuda:{config.device}" if torch.cuda.is_available() else "cpu"
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with shutdown signals that also cancel in-flight generations and leave the exit status 0."""
+
+    def __init__(self, config: uvicorn.Config, context: "ServerContext") -> None:
+        super().__init__(config)
+        self.context = context
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_requested = False
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if not self.stop_requested and self.loop is not None:
+            self.stop_requested = True
+            self.loop.call_soon_threadsafe(self._begin_shutdown, signal.Signals(sig).name)
+
+    def _begin_shutdown(self, signal_name: str) -> None:
+        from ninfer.protocols.generation import stop_generations
+
+        cancelled = stop_generations(self.context)
+        oplog.get_logger().info(
+            f"{signal_name} received: shutting down (cancelling {cancelled} in-flight request{'s' * (cancelled != 1)})"
+        )
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Install the shutdown handlers; unlike uvicorn, do not re-raise the signal afterwards (exit 0)."""
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+def _readiness_line(context: "ServerContext", host: str, port: int) -> str:
+    config, engine = context.config, context.engine
+    scheme_host = f"[{host}]" if ":" in host else host
+    return (
+        f"ready: serving {context.model_id} on http://{scheme_host}:{port} (max context {config.max_context}, "
+        f"KV capacity {engine.kv_capacity_tokens} tokens, max concurrency {config.max_concurrency}, "
+        f"max pending {config.max_pending_requests}, vision {'on' if config.vision else 'off'})"
+    )
+
+
+async def _serve_until_stopped(server: GracefulServer, sock: Any, context: "ServerContext") -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        oplog.get_logger().info(_readiness_line(context, host, port))
+    await task
+
+
 def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
+    """Load the model and serve it until SIGINT/SIGTERM."""
+    from ninfer.core.engine import EngineConfig
+    from ninfer.core.engine.loader import artifact_tokenizer, build_engine
+    from ninfer.protocols.generation import close_generation_resources
+    from ninfer.protocols.runner import listening_socket, make_server
+    from ninfer.protocols.server_app import ServerContext, build_app
+
     log = oplog.configure(config.log_level)
     check_capabilities(config, plugins)
     registries = plugins.registries
@@ -41,11 +119,44 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
         log.info(f"no artifact given: serving the built-in tiny demo model {path} (its weights are random)")
     else:
         path = config.artifact
-    artifact = open_model_source(path)
-    family = registries.family_for(artifact.manifest)
-    log.info(f"loading {artifact.manifest.identity.model_id} ({family.name}, {artifact.manifest.architecture})")
-    runtime = family.require("load_runtime")(artifact, LoadOptions(device=device_for(config), dtype=config.dtype))
-    log.info(f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} recurrent layers on {runtime.spec.device}")
-    raise NotYetAvailableError(
-        "the model loaded, but the resident engine and HTTP server are not yet available in this build"
-    )
+    engine = None
+    with open_model_source(path) as artifact:
+        manifest = artifact.manifest
+        family = registries.family_for(manifest)
+        log.info(f"loading {manifest.identity.model_id} ({family.name}, {manifest.architecture})")
+        runtime = family.require("load_runtime")(artifact, LoadOptions(device=device_for(config), dtype=config.dtype))
+        log.info(
+            f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
+            f"recurrent layers on {runtime.spec.device}"
+        )
+        try:
+            tokenizer = artifact_tokenizer(artifact)
+            engine = build_engine(artifact, runtime, EngineConfig.from_serve_config(config), tokenizer)
+            frontend = family.require("build_frontend")(artifact, config, tokenizer)
+            context = ServerContext(
+                config=config,
+                plugins=plugins,
+                engine=engine,
+                frontend=frontend,
+                model_id=config.model_id or manifest.identity.model_id,
+                max_model_len=config.max_context,
+            )
+            app = build_app(context)
+            try:
+                sock = listening_socket(config.host, config.port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", param="port"
+                ) from None
+            server = GracefulServer(make_server(app, sock).config, context)
+            plugins.hook.ninfer_serve_started(server=context)
+            try:
+                asyncio.run(_serve_until_stopped(server, sock, context))
+            finally:
+                sock.close()
+                plugins.hook.ninfer_serve_stopping(server=context)
+                close_generation_resources(context)
+        finally:
+            if engine is not None:
+                engine.shutdown()
+    log.info("stopped")

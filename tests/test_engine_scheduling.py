@@ -159,6 +159,19 @@ def test_checkpoints_are_evicted_under_page_pressure():
     engine.shutdown()
 
 
+def test_matching_checkpoint_that_blocks_the_reservation_is_not_kept():
+    # The whole pool is reserved by the follow-up; the matching checkpoint ends mid-page, so keeping it would
+    # leave one page short forever. Admission must fall back to no reuse instead of waiting.
+    engine = make_engine(max_concurrency=1, max_context=32, kv_capacity=32, page_size=4)
+    prompt = prompts_of([13], seed=8)[0]
+    engine.submit(greedy(prompt, 1)).result(10)
+    assert engine.stats().memory.checkpoints > 0
+    out = engine.submit(greedy(prompt, 32 - len(prompt))).result(10)
+    assert out.output_token_ids == tuple(oracle_greedy(prompt, 32 - len(prompt)))
+    assert idle(engine)
+    engine.shutdown()
+
+
 def test_shared_pages_survive_when_their_first_owner_finishes():
     engine = make_engine(max_concurrency=2, page_size=4, prefill_chunk=3)
     base = prompts_of([13], seed=6)[0]

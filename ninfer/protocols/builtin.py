@@ -1,10 +1,18 @@
-"""Built-in protocol adapters. Their routes are mounted by the HTTP server once it lands."""
+"""Built-in protocol adapters. An adapter whose ``mount`` is None answers 501 "not yet available"."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from ninfer.core.descriptors import ProtocolAdapter, Route
 from ninfer.core.hookspecs import hookimpl
 from ninfer.protocols.models import mount_health, mount_models
+
+
+def _mount_openai_chat(app: Any, context: Any) -> None:
+    from ninfer.protocols.openai_chat import mount_openai_chat  # imported lazily: it pulls in the engine (torch)
+
+    mount_openai_chat(app, context)
 
 
 @hookimpl
@@ -14,7 +22,9 @@ def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
         ProtocolAdapter(
             "models", (Route("GET", "/v1/models"), Route("GET", "/v1/models/{model_id}")), "OpenAI model listing", mount=mount_models
         ),
-        ProtocolAdapter("openai_chat", (Route("POST", "/v1/chat/completions"),), "OpenAI Chat Completions"),
+        ProtocolAdapter(
+            "openai_chat", (Route("POST", "/v1/chat/completions"),), "OpenAI Chat Completions", mount=_mount_openai_chat
+        ),
         ProtocolAdapter(
             "openai_responses",
             (

@@ -8,6 +8,8 @@ never waits for memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -90,14 +92,15 @@ class EngineMemory:
     def try_admit(self, seq: Sequence, reuse: bool) -> bool:
         """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait."""
         hit = self.cache.lookup(seq.prompt) if reuse else None
+        if hit is not None and not self._fits(seq, hit):
+            hit = None  # keeping the checkpoint would leave too few pages: admit without reuse instead
+        if not self._fits(seq, hit):
+            return False
         shared_pages = len(hit.tokens) // self.page_size if hit is not None else 0
         fresh = pages_for(seq.reserved_tokens, self.page_size) - shared_pages
-        if self.pages.free_count - self.promised < fresh:
-            if self.pages.free_count - self.promised + self.cache.reclaimable_pages(keep=hit) < fresh:
+        while self.pages.free_count - self.promised < fresh:
+            if not self.cache.evict_lru(keep=hit):
                 return False
-            while self.pages.free_count - self.promised < fresh:
-                if not self.cache.evict_lru(keep=hit):
-                    return False
         seq.slot = self.slots.acquire()
         self.promised += fresh
         seq.promised_pages = fresh
@@ -115,6 +118,13 @@ class EngineMemory:
         seq.fed = seq.cache_n = size
         seq.last_logits, seq.last_logits_at = hit.logits, size
         return True
+
+    def _fits(self, seq: Sequence, hit: Any) -> bool:
+        """Whether ``seq``'s reservation fits free pages plus evictable checkpoints, keeping ``hit``."""
+        shared_pages = len(hit.tokens) // self.page_size if hit is not None else 0
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - shared_pages
+        available = self.pages.free_count - self.promised
+        return available >= fresh or available + self.cache.reclaimable_pages(keep=hit) >= fresh
 
     def ensure_pages(self, seq: Sequence, tokens: int) -> None:
         """Allocate pages (from the reservation) until ``seq`` can hold ``tokens`` tokens."""
