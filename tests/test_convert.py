@@ -1,8 +1,9 @@
 """Hugging Face checkpoint -> .ninfer conversion, and serving a checkpoint directory in place.
 
-Oracles: the in-memory ``transformers`` models the checkpoints are saved from (tensor values), the
-checkpoint's own JSON files (config, generation defaults, resources), and ``safetensors.safe_open``
-as an independent reader of the written artifact.
+Oracles: the in-memory ``transformers`` models the checkpoints are saved from (tensor values and logits),
+the checkpoint's own JSON files (config, generation defaults, resources), and ``safetensors.safe_open``
+as an independent reader of the written artifact. MoE checkpoints come in both expert layouts: fused
+(``save_original_format=False``) and one tensor per expert (transformers' default ``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -38,6 +40,7 @@ from ninfer.core.hf_checkpoint import (
     open_hf_directory,
 )
 from ninfer.core.plugins import load_plugin_manager
+from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
 from ninfer.core.tokenizer import build_qwen_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +67,8 @@ TEXT_DIMS = dict(
     vocab_size=128,
     eos_token_id=5,
 )
+MOE_DIMS = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+PAGE_SIZE = 16
 
 
 @functools.cache
@@ -98,9 +103,7 @@ def dense(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     torch.manual_seed(1)
-    config = transformers.Qwen3_5MoeTextConfig(
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **TEXT_DIMS
-    )
+    config = transformers.Qwen3_5MoeTextConfig(**MOE_DIMS, **TEXT_DIMS)
     model = transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16)
     directory = tmp_path_factory.mktemp("src") / "Tiny-Qwen3.5-MoE"
     return directory, _save(model, directory)
@@ -292,16 +295,8 @@ def _conditional_generation_config() -> dict:
     return config
 
 
-def test_conditional_generation_checkpoint_converts_with_vision_and_mtp(tmp_path):
-    config = _conditional_generation_config()
-    family = load_plugin_manager().registries.model_families["qwen3_5"]
-    expected = family.require("expected_weights")(config)
-    assert any(n.startswith("mtp.") for n in expected) and any(n.startswith("model.visual.") for n in expected)
-    assert any(n.startswith("model.language_model.layers.") for n in expected)
-
-    generator = torch.Generator().manual_seed(2)
-    tensors = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in expected.items()}
-    directory = tmp_path / "Qwen3.6-Tiny-VL"
+def _write_checkpoint(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint directory whose tensors are dealt round-robin into three shards."""
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     names = list(tensors)
@@ -313,6 +308,19 @@ def test_conditional_generation_checkpoint_converts_with_vision_and_mtp(tmp_path
         weight_map.update({name: file_name for name in chunk})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _add_frontend_files(directory)
+    return directory
+
+
+def test_conditional_generation_checkpoint_converts_with_vision_and_mtp(tmp_path):
+    config = _conditional_generation_config()
+    family = load_plugin_manager().registries.model_families["qwen3_5"]
+    expected = family.require("expected_weights")(config)
+    assert any(n.startswith("mtp.") for n in expected) and any(n.startswith("model.visual.") for n in expected)
+    assert any(n.startswith("model.language_model.layers.") for n in expected)
+
+    generator = torch.Generator().manual_seed(2)
+    tensors = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in expected.items()}
+    directory = _write_checkpoint(tmp_path / "Qwen3.6-Tiny-VL", config, tensors)
 
     out = convert_checkpoint(directory, tmp_path / "vl.ninfer")
     written = _written_tensors(out)
@@ -428,19 +436,6 @@ def test_unexpected_tensor(dense_copy, tmp_path):
     _assert_nothing_written(out)
 
 
-def test_per_expert_moe_layout_gets_a_specific_hint(tmp_path):
-    torch.manual_seed(3)
-    config = transformers.Qwen3_5MoeTextConfig(
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1, **TEXT_DIMS
-    )
-    directory = tmp_path / "per-expert"
-    transformers.Qwen3_5MoeForCausalLM(config).save_pretrained(directory)  # transformers' per-expert "original format"
-    _add_frontend_files(directory)
-    with pytest.raises(WeightMismatchError, match=r"missing tensors?: .*mlp\.experts\.gate_up_proj") as excinfo:
-        convert_checkpoint(directory, tmp_path / "out.ninfer")
-    assert "save_original_format=False" in str(excinfo.value)
-
-
 def test_unknown_architecture(dense_copy, tmp_path):
     config = json.loads((dense_copy / "config.json").read_text())
     config["architectures"] = ["FooBarForCausalLM"]
@@ -514,3 +509,148 @@ def test_missing_shard_file(dense_copy, tmp_path):
 def test_output_directory_must_exist(dense, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         convert_checkpoint(dense[0], tmp_path / "no-such-dir" / "out.ninfer")
+
+
+# -- MoE checkpoints that store experts one by one ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def per_expert(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """An fp32 MoE checkpoint written by transformers' default save_pretrained: one tensor per expert matrix."""
+    torch.manual_seed(4)
+    model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE_DIMS, **TEXT_DIMS)).eval()
+    directory = tmp_path_factory.mktemp("src") / "Tiny-Qwen3.5-MoE-PerExpert"
+    model.save_pretrained(directory, max_shard_size="20KB")
+    _add_frontend_files(directory)
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in weight_map
+    shards = {weight_map[f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"]
+              for i in range(4) for e in range(4) for p in ("gate", "up", "down")}
+    assert len(shards) >= 3, "the fixture must spread expert tensors over several shards"
+    return directory, model
+
+
+def _fused_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def _prefill_logits(source, ids: torch.Tensor) -> torch.Tensor:
+    """All-token logits of one prefill through the family's runtime loaded from ``source``."""
+    family = load_plugin_manager().registries.family_for(source.manifest)
+    runtime = family.require("load_runtime")(source, LoadOptions())
+    pages = -(-len(ids) // PAGE_SIZE)
+    batch = ForwardBatch(
+        token_ids=ids,
+        positions=torch.arange(len(ids)).expand(3, -1),
+        query_lens=[len(ids)],
+        context_lens=[0],
+        page_tables=torch.arange(pages, dtype=torch.int32)[None],
+        state_slots=torch.tensor([0]),
+        logits="all",
+    )
+    kv = KVCache.allocate(runtime.spec, pages, PAGE_SIZE)
+    return runtime.forward(batch, kv, StateCache.allocate(runtime.spec, 1)).logits
+
+
+def test_per_expert_checkpoint_converts_to_the_fused_layout(per_expert, tmp_path):
+    directory, model = per_expert
+    calls: list[tuple[int, int]] = []
+    out = convert_checkpoint(directory, tmp_path / "model.ninfer", progress=lambda *call: calls.append(call))
+
+    source = _fused_state_dict(model)
+    weights = {name: t for name, t in _written_tensors(out).items() if not name.startswith(RESOURCE_PREFIX)}
+    assert set(weights) == set(source)  # fused expert tensors in, per-expert tensors gone
+    for name, tensor in source.items():
+        assert torch.equal(weights[name], tensor), name
+    total = sum(t.numel() * t.element_size() for t in source.values())
+    assert calls[-1] == (total, total) and len(calls) == len(source) + 1
+
+
+@pytest.mark.parametrize("served_from", ["converted", "directory"])
+def test_per_expert_checkpoint_logits_match_transformers(per_expert, tmp_path, served_from):
+    directory, model = per_expert
+    path = convert_checkpoint(directory, tmp_path / "model.ninfer") if served_from == "converted" else directory
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0]
+    with open_model_source(path) as source:
+        got = _prefill_logits(source, ids)
+    assert got.shape == expected.shape
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-4
+
+
+def test_directory_view_presents_fused_experts_and_hides_their_sources(per_expert):
+    directory, model = per_expert
+    source = _fused_state_dict(model)
+    with open_hf_directory(directory) as view:
+        assert sorted(view.tensor_names) == sorted(source)
+        fused = "model.layers.1.mlp.experts.gate_up_proj"
+        info = view.tensor_info(fused)
+        assert (info.dtype, tuple(info.shape), info.nbytes) == (torch.float32, (4, 32, 32), 4 * 32 * 32 * 4)
+        assert torch.equal(view.tensor(fused), source[fused])
+        with pytest.raises(ArtifactError, match=r"no tensor named 'model\.layers\.1\.mlp\.experts\.2\.up_proj"):
+            view.tensor("model.layers.1.mlp.experts.2.up_proj.weight")
+
+
+def test_missing_expert_tensor_is_named(per_expert, tmp_path):
+    directory = Path(shutil.copytree(per_expert[0], tmp_path / "Missing-Expert"))
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    _rewrite_shard(directory, name, None, update_index=True)
+    out = tmp_path / "out.ninfer"
+    with pytest.raises(WeightMismatchError, match=r"gate_up_proj is built from .*1 missing tensor: " + re.escape(name)):
+        convert_checkpoint(directory, out)
+    _assert_nothing_written(out)
+    with pytest.raises(WeightMismatchError, match=re.escape(name)):
+        open_model_source(directory)
+
+
+def test_misshaped_expert_tensor_is_named(per_expert, tmp_path):
+    directory = Path(shutil.copytree(per_expert[0], tmp_path / "Misshaped-Expert"))
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    _rewrite_shard(directory, name, torch.zeros(32, 15), update_index=False)
+    out = tmp_path / "out.ninfer"
+    with pytest.raises(WeightMismatchError, match=re.escape(name) + r" has shape \[32, 15\], expected \[32, 16\]"):
+        convert_checkpoint(directory, out)
+    _assert_nothing_written(out)
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every fused expert pair split into per-expert gate/up/down matrices."""
+    split: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            block, inner = name.removesuffix(".gate_up_proj"), tensor.shape[1] // 2
+            for e, matrix in enumerate(tensor):
+                split[f"{block}.{e}.gate_proj.weight"] = matrix[:inner].clone()
+                split[f"{block}.{e}.up_proj.weight"] = matrix[inner:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            block = name.removesuffix(".down_proj")
+            split.update({f"{block}.{e}.down_proj.weight": matrix.clone() for e, matrix in enumerate(tensor)})
+        else:
+            split[name] = tensor
+    return split
+
+
+def test_per_expert_conditional_generation_with_moe_mtp(tmp_path):
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=dict(mtp_num_hidden_layers=1, **MOE_DIMS, **TEXT_DIMS),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, num_position_embeddings=16
+        ),
+    ).to_dict()
+    config["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    expected = load_plugin_manager().registries.model_families["qwen3_5_moe"].require("expected_weights")(config)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in expected
+    generator = torch.Generator().manual_seed(6)
+    tensors = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in expected.items()}
+    stored = _per_expert(tensors)
+    assert "mtp.layers.0.mlp.experts.3.down_proj.weight" in stored
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in stored
+    directory = _write_checkpoint(tmp_path / "Qwen3.6-Tiny-MoE-VL", config, stored)
+
+    out = convert_checkpoint(directory, tmp_path / "moe-vl.ninfer")
+    written = {name: t for name, t in _written_tensors(out).items() if not name.startswith(RESOURCE_PREFIX)}
+    assert set(written) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(written[name], tensor), name
+    assert _written_manifest(out)["companions"] == ["mtp"]

@@ -2,15 +2,16 @@
 
 The checkpoint is validated completely before anything is written: its files, its architecture (a
 registered model family must recognize it) and every tensor against the family's
-``expected_weights(config)``. Tensors then stream shard by shard, one at a time, into the artifact with
-their Hugging Face names: each is written straight from its mapped shard (no copy), and only one shard
-is mapped at a time, so memory stays bounded by one tensor.
+``expected_weights(config)``. Tensors are those of the checkpoint view, so a family's ``checkpoint_layout``
+applies (per-expert MoE tensors arrive fused). They then stream shard by shard, one at a time, into the
+artifact with their Hugging Face names: a stored tensor is written straight from its mapped shard (no copy)
+with one shard mapped at a time, and a fused tensor is built (a copy) from its sources, so memory stays
+bounded by one (fused) tensor.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -18,13 +19,12 @@ import torch
 
 from ninfer.core.artifact import MappedSafetensors, TensorEntry, TensorInfo, write_artifact
 from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
-from ninfer.core.hf_checkpoint import CONFIG_FILE, HFDirectoryArtifact, ShardFile, open_hf_directory
+from ninfer.core.hf_checkpoint import CONFIG_FILE, FusedTensor, HFDirectoryArtifact, ShardFile, open_hf_directory
 
 #: Tensors a family need not expect that are carried into the artifact as they are.
 CARRIED_PREFIXES = ("model.visual.", "mtp.")
 #: How many offending tensor names one error message lists per kind of problem.
 _NAMES_SHOWN = 8
-_PER_EXPERT_NAME = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 Progress = Callable[[int, int], None]
 
@@ -45,9 +45,9 @@ def convert_checkpoint(
         _check_output_path(out, checkpoint)
         check_weights(checkpoint)
         resources = {name: checkpoint.resource(name) for name in checkpoint.resource_names}
-        stream = _ShardStream(progress, total=sum(shard.nbytes for shard in checkpoint.shards))
+        stream = _ShardStream(checkpoint, progress)
         try:
-            write_artifact(out, checkpoint.manifest, stream.entries(checkpoint.shards), resources)
+            write_artifact(out, checkpoint.manifest, stream.entries(), resources)
         except OSError as exc:
             raise ArtifactError(f"{out}: cannot write the artifact ({exc.strerror or exc})") from None
         finally:
@@ -98,12 +98,6 @@ def _weight_problems(expected: Mapping[str, tuple[int, ...]], found: Mapping[str
             shown = ", ".join(items[:_NAMES_SHOWN])
             more = f" and {len(items) - _NAMES_SHOWN} more" if len(items) > _NAMES_SHOWN else ""
             problems.append(f"{len(items)} {label}{'s' if len(items) > 1 else ''}: {shown}{more}")
-    if any(_PER_EXPERT_NAME.search(name) for name in unexpected):
-        problems.append(
-            "the checkpoint stores MoE experts one by one (mlp.experts.N.*_proj.weight, what transformers' "
-            "save_pretrained writes by default); ninfer reads the fused mlp.experts.gate_up_proj / down_proj "
-            "layout of the released Qwen checkpoints: re-save with save_pretrained(..., save_original_format=False)"
-        )
     return problems
 
 
@@ -118,33 +112,60 @@ def _check_output_path(out: Path, checkpoint: HFDirectoryArtifact) -> None:
 
 
 class _ShardStream:
-    """Tensor entries that read from one mapped shard at a time; moving on lets go of the previous mapping."""
+    """Tensor entries that read from one mapped shard at a time; moving on lets go of the previous mapping.
 
-    def __init__(self, progress: Progress | None, *, total: int) -> None:
+    A fused tensor reads its sources in storage order (shard by shard), so each shard is mapped once for it.
+    """
+
+    def __init__(self, checkpoint: HFDirectoryArtifact, progress: Progress | None) -> None:
+        self._checkpoint = checkpoint
         self._progress = progress
-        self._total = total
+        self._total = sum(checkpoint.tensor_info(name).nbytes for name in checkpoint.tensor_names)
         self._done = 0
+        self._shard_position = {shard.path: index for index, shard in enumerate(checkpoint.shards)}
         self._shard: ShardFile | None = None
         self._mapped: MappedSafetensors | None = None
 
-    def entries(self, shards: tuple[ShardFile, ...]) -> list[TensorEntry]:
-        return [
-            TensorEntry(name, info.dtype, info.shape, lambda shard=shard, info=info: self._load(shard, info))
-            for shard in shards
-            for name, info in shard.tensors.items()
-        ]
+    def entries(self) -> list[TensorEntry]:
+        entries = []
+        for name in self._checkpoint.tensor_names:
+            fused = self._checkpoint.layout.get(name)
+            if fused is None:
+                shard, info = self._checkpoint.locate(name)
+                entries.append(
+                    TensorEntry(name, info.dtype, info.shape, lambda shard=shard, info=info: self._load(shard, info))
+                )
+            else:
+                entries.append(
+                    TensorEntry(name, fused.dtype, fused.shape, lambda n=name, f=fused: self._load_fused(n, f))
+                )
+        return entries
 
     def _load(self, shard: ShardFile, info: TensorInfo) -> torch.Tensor:
+        self._advance(info.nbytes)
+        return self._view(shard, info)
+
+    def _load_fused(self, name: str, fused: FusedTensor) -> torch.Tensor:
+        self._advance(fused.nbytes)
+        located = {source: self._checkpoint.locate(source) for source in fused.sources}
+        in_storage_order = sorted(
+            fused.sources, key=lambda source: (self._shard_position[located[source][0].path], located[source][1].begin)
+        )
+        parts = {source: self._view(*located[source]) for source in in_storage_order}
+        return fused.build(name, [parts[source] for source in fused.sources])
+
+    def _view(self, shard: ShardFile, info: TensorInfo) -> torch.Tensor:
         mapped = self._mapped
         if shard is not self._shard or mapped is None:
             self.close()
             mapped = shard.map()
             self._shard, self._mapped = shard, mapped
-        tensor = mapped.view(info)
+        return mapped.view(info)
+
+    def _advance(self, nbytes: int) -> None:
         if self._progress is not None:
             self._progress(self._done, self._total)
-        self._done += info.nbytes
-        return tensor
+        self._done += nbytes
 
     def finish(self) -> None:
         if self._progress is not None:

@@ -13,7 +13,8 @@ import attrs
 from ninfer.core.errors import NotYetAvailableError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.artifact import Artifact, Manifest
+    from ninfer.core.artifact import Artifact, Manifest, TensorInfo
+    from ninfer.core.hf_checkpoint import FusedTensor
 
 
 def _not_available(kind: str, name: str, detail: str) -> NotYetAvailableError:
@@ -41,6 +42,14 @@ class ModelFamily:
     model runtime the engine drives. ``build_frontend(artifact, serve_config, tokenizer)`` builds the prompt renderer
     and output decoder. ``make_tiny(options)`` returns ``(manifest, tensors, resources)`` of a tiny
     random-weight artifact. ``sampling_presets(manifest)`` returns ``{"thinking": ..., "non_thinking": ...}``.
+
+    ``checkpoint_layout(config, stored)`` (optional) reconciles a Hugging Face checkpoint that stores some weights
+    differently from ``expected_weights``: given the config and the stored tensors (name -> ``TensorInfo``), it
+    returns ``{target name: FusedTensor}``, each saying which stored tensors build that expected tensor and how
+    (e.g. per-expert MoE matrices stacked into one). The directory view then shows the targets instead of their
+    sources, so ``ninfer convert`` and ``ninfer serve HF_DIR`` see one layout. It returns ``{}`` when the
+    checkpoint already matches, and raises ``WeightMismatchError`` for a source it finds mis-shaped; missing
+    sources are reported by the view.
     """
 
     name: str
@@ -52,6 +61,9 @@ class ModelFamily:
     build_frontend: Callable[..., Any] | None = None
     make_tiny: Callable[..., Any] | None = None
     sampling_presets: Callable[["Manifest"], Mapping[str, SamplingPreset]] | None = None
+    checkpoint_layout: (
+        Callable[[Mapping[str, Any], Mapping[str, "TensorInfo"]], Mapping[str, "FusedTensor"]] | None
+    ) = None
 
     def matches(self, manifest: "Manifest") -> bool:
         """True when the artifact's architecture (and text model_type, if declared) belongs to this family."""

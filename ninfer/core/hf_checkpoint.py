@@ -3,6 +3,11 @@
 Reads ``config.json``, the safetensors weights (``model.safetensors.index.json`` + shards, or one
 ``model.safetensors``), the tokenizer files, the chat template and ``generation_config.json``. Shard
 headers are validated at open; shards are mapped lazily, on the first tensor read from each.
+
+A model family may store some weights differently from how its runtime reads them (per-expert MoE tensors
+where the runtime wants one stacked tensor). Its ``checkpoint_layout`` factory says which target tensors
+are built from which stored ones (:class:`FusedTensor`); the view presents the targets and hides their
+sources, so the converter and the runtime see one layout whatever the checkpoint stores.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -41,6 +46,43 @@ GENERATION_CONFIG_RESOURCE = "generation_config.json"
 
 #: Bookkeeping keys of generation_config.json that are not generation defaults.
 _GENERATION_BOOKKEEPING = frozenset({"transformers_version", "_from_model_config"})
+#: How many missing source tensors one error message lists.
+_NAMES_SHOWN = 8
+
+
+@attrs.frozen
+class FusedTensor:
+    """One tensor built from several stored tensors, e.g. per-expert MoE weights stacked into one.
+
+    ``combine`` receives the ``sources`` (in this order) and returns a new tensor of ``dtype`` and ``shape``.
+    """
+
+    sources: tuple[str, ...]
+    combine: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = self.dtype.itemsize
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def info(self) -> TensorInfo:
+        """Its dtype and shape; the offsets span its own buffer (a fused tensor lives in no file)."""
+        return TensorInfo(self.dtype, self.shape, 0, self.nbytes)
+
+    def build(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``combine(parts)``, checked against the declared dtype and shape."""
+        tensor = self.combine(parts)
+        if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
+            raise ArtifactError(
+                f"fused tensor {name!r} came out {tensor.dtype} {list(tensor.shape)}, "
+                f"declared {self.dtype} {list(self.shape)}"
+            )
+        return tensor
 
 
 @attrs.frozen
@@ -63,16 +105,28 @@ class ShardFile:
 
 
 class HFDirectoryArtifact(ModelSource):
-    """A Hugging Face checkpoint directory served in place. Tensors are zero-copy views of the mapped shards."""
+    """A Hugging Face checkpoint directory served in place.
+
+    Stored tensors are zero-copy views of the mapped shards. The targets of ``layout`` (name -> FusedTensor)
+    are built on each read, as a copy; the stored tensors they are built from are hidden.
+    """
 
     def __init__(
-        self, path: Path, manifest: Manifest, shards: tuple[ShardFile, ...], resources: Mapping[str, Path | bytes]
+        self,
+        path: Path,
+        manifest: Manifest,
+        shards: tuple[ShardFile, ...],
+        resources: Mapping[str, Path | bytes],
+        layout: Mapping[str, FusedTensor] | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
         self.shards = shards
+        self.layout: Mapping[str, FusedTensor] = dict(layout or {})
         self._resources = dict(resources)
         self._shard_of = {name: shard for shard in shards for name in shard.tensors}
+        self._names = _presented_names(path, shards, self.layout, self._shard_of)
+        self._hidden = frozenset(source for fused in self.layout.values() for source in fused.sources)
         self._mapped: dict[Path, MappedSafetensors] = {}
         self._closed = False
 
@@ -80,27 +134,42 @@ class HFDirectoryArtifact(ModelSource):
 
     @property
     def tensor_names(self) -> list[str]:
-        """Weight tensor names, shard by shard, in each shard's data order."""
-        return [name for shard in self.shards for name in shard.tensors]
+        """Weight tensor names, shard by shard in each shard's data order; a fused tensor where its first source is."""
+        return list(self._names)
 
     def tensor_info(self, name: str) -> TensorInfo:
-        return self._shard(name).tensors[name]
+        fused = self.layout.get(name)
+        if fused is not None:
+            return fused.info
+        return self._stored(name)[1]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as a zero-copy CPU view of its mapped shard."""
+        """The tensor ``name``: a zero-copy CPU view of its mapped shard, or a fused tensor built anew (a copy)."""
         if self._closed:
             raise ArtifactError(f"{self.path}: read after the checkpoint was closed")
-        shard = self._shard(name)
+        fused = self.layout.get(name)
+        if fused is not None:
+            return fused.build(name, [self._view(*self.locate(source)) for source in fused.sources])
+        return self._view(*self._stored(name))
+
+    def locate(self, name: str) -> tuple[ShardFile, TensorInfo]:
+        """Where the stored tensor ``name`` lies, fused sources included (for readers that map shards themselves)."""
+        try:
+            shard = self._shard_of[name]
+        except KeyError:
+            raise ArtifactError(f"{self.path}: no tensor named {name!r}") from None
+        return shard, shard.tensors[name]
+
+    def _stored(self, name: str) -> tuple[ShardFile, TensorInfo]:
+        if name in self._hidden:
+            raise ArtifactError(f"{self.path}: no tensor named {name!r} (it is read as part of a fused tensor)")
+        return self.locate(name)
+
+    def _view(self, shard: ShardFile, info: TensorInfo) -> torch.Tensor:
         mapped = self._mapped.get(shard.path)
         if mapped is None:
             mapped = self._mapped[shard.path] = shard.map()
-        return mapped.view(shard.tensors[name])
-
-    def _shard(self, name: str) -> ShardFile:
-        try:
-            return self._shard_of[name]
-        except KeyError:
-            raise ArtifactError(f"{self.path}: no tensor named {name!r}") from None
+        return mapped.view(info)
 
     # -- resources ---------------------------------------------------------------------------------
 
@@ -150,7 +219,7 @@ def open_hf_directory(path: str | os.PathLike[str], *, model_id: str | None = No
         companions=("mtp",) if any(name.startswith("mtp.") for s in shards for name in s.tensors) else (),
         generation_defaults=_generation_defaults(generation_config, config),
     )
-    return HFDirectoryArtifact(directory, manifest, shards, resources)
+    return HFDirectoryArtifact(directory, manifest, shards, resources, _family_layout(directory, manifest, shards))
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -191,6 +260,73 @@ def read_shards(directory: Path) -> tuple[ShardFile, ...]:
                     param=name,
                 )
     return tuple(shards)
+
+
+def _family_layout(directory: Path, manifest: Manifest, shards: tuple[ShardFile, ...]) -> dict[str, FusedTensor]:
+    """The model family's ``checkpoint_layout`` for these tensors; none without a family that declares one.
+
+    An unrecognized architecture is not an error here: whoever needs the family (convert, load) reports it.
+    """
+    from ninfer.core.plugins import load_plugin_manager
+
+    try:
+        family = load_plugin_manager().registries.family_for(manifest)
+    except ArtifactError:
+        return {}
+    if family.checkpoint_layout is None:
+        return {}
+    stored = {name: info for shard in shards for name, info in shard.tensors.items()}
+    try:
+        return dict(family.checkpoint_layout(manifest.config, stored))
+    except WeightMismatchError as exc:
+        raise WeightMismatchError(f"{directory}: {exc.message}", param=exc.param) from None
+    except ArtifactError as exc:
+        raise ArtifactError(f"{directory / CONFIG_FILE}: {exc.message}") from None
+
+
+def _presented_names(
+    directory: Path,
+    shards: tuple[ShardFile, ...],
+    layout: Mapping[str, FusedTensor],
+    shard_of: Mapping[str, ShardFile],
+) -> tuple[str, ...]:
+    """Stored names in data order with each fused tensor in place of its sources; checks the layout is coherent."""
+    target_of: dict[str, str] = {}
+    for target, fused in layout.items():
+        if target in shard_of:
+            raise WeightMismatchError(
+                f"{directory}: {target!r} is stored and also built from {len(fused.sources)} other tensors; "
+                "the checkpoint holds both layouts",
+                param=target,
+            )
+        if not fused.sources:
+            raise ArtifactError(f"{directory}: the family's checkpoint layout builds {target!r} from no tensors")
+        missing = [source for source in fused.sources if source not in shard_of]
+        if missing:
+            shown = ", ".join(missing[:_NAMES_SHOWN])
+            more = f" and {len(missing) - _NAMES_SHOWN} more" if len(missing) > _NAMES_SHOWN else ""
+            raise WeightMismatchError(
+                f"{directory}: {target} is built from tensors the checkpoint lacks: "
+                f"{len(missing)} missing tensor{'s' if len(missing) > 1 else ''}: {shown}{more}",
+                param=missing[0],
+            )
+        for source in fused.sources:
+            if source in target_of:
+                raise ArtifactError(
+                    f"{directory}: tensor {source!r} is claimed by both {target_of[source]} and {target}"
+                )
+            target_of[source] = target
+    names: list[str] = []
+    placed: set[str] = set()
+    for shard in shards:
+        for name in shard.tensors:
+            target = target_of.get(name)
+            if target is None:
+                names.append(name)
+            elif target not in placed:
+                placed.add(target)
+                names.append(target)
+    return tuple(names)
 
 
 def _weight_map(index_path: Path) -> dict[str, str]:

@@ -21,6 +21,12 @@ def _expected_weights(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return expected_weights(config)
 
 
+def _checkpoint_layout(config: Mapping[str, Any], stored: Mapping[str, Any]) -> Any:
+    from ninfer.plugins.qwen3_5.checkpoint import checkpoint_layout
+
+    return checkpoint_layout(config, stored)
+
+
 def _load_runtime(artifact: Any, options: Any) -> Any:
     from ninfer.plugins.qwen3_5.runtime import load_runtime
 
@@ -72,6 +78,7 @@ def ninfer_model_families() -> list[ModelFamily]:
             model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
             description="Qwen3.5/3.6 MoE hybrid Gated-DeltaNet (e.g. Qwen3.6-35B-A3B)",
             sampling_presets=_presets(1.5),
+            checkpoint_layout=_checkpoint_layout,  # per-expert checkpoints read as the fused expert layout
             **common,
         ),
     ]
