@@ -17,6 +17,13 @@ import uvicorn
 from ninfer.core.artifact import open_model_source
 from ninfer.core.errors import ConfigError, NotYetAvailableError
 from ninfer.core.observability import oplog
+from ninfer.core.observability.request_log import (
+    OBSERVABILITY_KEY,
+    RequestLogWriter,
+    ServerObservability,
+    server_start_fields,
+)
+from ninfer.core.observability.throughput import ThroughputCounters, ThroughputReporter
 from ninfer.core.runtime import LoadOptions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,15 +109,24 @@ async def _serve_until_stopped(server: GracefulServer, sock: Any, context: "Serv
 
 
 def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
-    """Load the model and serve it until SIGINT/SIGTERM."""
+    """Load the model and serve it until SIGINT/SIGTERM; ``--request-log-jsonl`` is opened first (or aborts)."""
+    log = oplog.configure(config.log_level)
+    check_capabilities(config, plugins)
+    request_log = RequestLogWriter(config.request_log_jsonl) if config.request_log_jsonl is not None else None
+    try:
+        _serve(config, plugins, log, request_log)
+    finally:
+        if request_log is not None:
+            request_log.close()
+
+
+def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_log: "RequestLogWriter | None") -> None:
     from ninfer.core.engine import EngineConfig
     from ninfer.core.engine.loader import artifact_tokenizer, build_engine
     from ninfer.protocols.generation import close_generation_resources
     from ninfer.protocols.runner import listening_socket, make_server
     from ninfer.protocols.server_app import ServerContext, build_app
 
-    log = oplog.configure(config.log_level)
-    check_capabilities(config, plugins)
     registries = plugins.registries
     if config.artifact is None:
         from ninfer.core.demo import demo_artifact_path
@@ -124,7 +140,7 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
         manifest = artifact.manifest
         family = registries.family_for(manifest)
         log.info(f"loading {manifest.identity.model_id} ({family.name}, {manifest.architecture})")
-        runtime = family.require("load_runtime")(artifact, LoadOptions(device=device_for(config), dtype=config.dtype))
+        runtime = family.require("load_runtime")(artifact, LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph))
         log.info(
             f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
             f"recurrent layers on {runtime.spec.device}"
@@ -141,6 +157,19 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
                 model_id=config.model_id or manifest.identity.model_id,
                 max_model_len=config.max_context,
             )
+            observability = ServerObservability(
+                request_log, ThroughputCounters(), config.default_max_tokens, config.max_context, spec=config.spec
+            )
+            context.state[OBSERVABILITY_KEY] = observability
+            if request_log is not None:
+                presets = family.sampling_presets(manifest) if family.sampling_presets else {}
+                request_log.write("server_start", server_start_fields(
+                    config=config, manifest=manifest, artifact_path=str(path), family=family.name, engine=engine,
+                    frontend=frontend, presets=dict(presets), device=str(runtime.spec.device),
+                ))
+            reporter = None
+            if config.log_stats_interval_ms > 0:
+                reporter = ThroughputReporter(engine, observability.counters, config.log_stats_interval_ms, request_log)
             app = build_app(context)
             try:
                 sock = listening_socket(config.host, config.port)
@@ -150,9 +179,13 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
                 ) from None
             server = GracefulServer(make_server(app, sock).config, context)
             plugins.hook.ninfer_serve_started(server=context)
+            if reporter is not None:
+                reporter.start()
             try:
                 asyncio.run(_serve_until_stopped(server, sock, context))
             finally:
+                if reporter is not None:
+                    reporter.stop()
                 sock.close()
                 plugins.hook.ninfer_serve_stopping(server=context)
                 close_generation_resources(context)

@@ -104,7 +104,12 @@ def synthetic_prompts(rng: random.Random, count: int, length: int, vocab_limit: 
 
 
 @click.command("bench")
-@click.argument("artifact", type=click.Path(exists=True))
+@click.argument("artifact", type=click.Path(exists=True), required=False)
+@click.option("--synthetic", metavar="NAME", default=None,
+              help="instead of an artifact: a random-weight model of a named real configuration (qwen3.6-27b, "
+                   "qwen3.6-35b-a3b, ...) built on the device, measured against transformers and the roofline")
+@click.option("--no-transformers", is_flag=True, help="--synthetic: skip the transformers comparison")
+@click.option("--no-cuda-graph", is_flag=True, help="decode without CUDA graphs")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True, help="prompt tokens per request")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="output tokens per request")
 @click.option("--concurrency", type=click.IntRange(1, 8), default=1, show_default=True, help="requests per round (1..8)")
@@ -115,8 +120,13 @@ def synthetic_prompts(rng: random.Random, count: int, length: int, vocab_limit: 
 @click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="auto", show_default=True, help="weight dtype")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the synthetic prompts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.pass_context
 def bench_command(
-    artifact: str,
+    ctx: click.Context,
+    artifact: str | None,
+    synthetic: str | None,
+    no_transformers: bool,
+    no_cuda_graph: bool,
     prompt_len: int,
     output_len: int,
     concurrency: int,
@@ -129,6 +139,26 @@ def bench_command(
     as_json: bool,
 ) -> None:
     """Offline benchmark: prefill and decode throughput, TTFT and inter-token latency percentiles."""
+    if synthetic is not None:
+        explicit = lambda name: ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE  # noqa: E731
+        from ninfer.bench_synthetic import run_synthetic_bench
+
+        try:
+            run_synthetic_bench(
+                synthetic,
+                concurrency=(concurrency,) if explicit("concurrency") else (1, 2, 4, 8),
+                prompt_len=prompt_len if explicit("prompt_len") else 8192,
+                compare_transformers=not no_transformers,
+                cuda_graphs=not no_cuda_graph,
+                device=device,
+                json=as_json,
+                echo=click.echo,
+            )
+        except NinferError as exc:
+            raise click.ClickException(exc.message) from None
+        return
+    if artifact is None:
+        raise click.UsageError("give an ARTIFACT or --synthetic NAME")
     from ninfer.core.engine import EngineConfig
     from ninfer.core.engine.loader import load_engine
     from ninfer.core.runtime import LoadOptions
@@ -146,7 +176,7 @@ def bench_command(
         prefix_reuse=False,
     )
     try:
-        loaded = load_engine(artifact, config, load_options=LoadOptions(device=device, dtype=dtype))
+        loaded = load_engine(artifact, config, load_options=LoadOptions(device=device, dtype=dtype, cuda_graphs=not no_cuda_graph))
     except NinferError as exc:
         raise click.ClickException(exc.message) from None
     try:

@@ -13,7 +13,7 @@ import attrs
 from ninfer.core.errors import NotYetAvailableError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.artifact import Artifact, Manifest, TensorInfo
+    from ninfer.core.artifact import Manifest, TensorInfo
     from ninfer.core.hf_checkpoint import FusedTensor
 
 

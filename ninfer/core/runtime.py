@@ -168,10 +168,14 @@ class ForwardOutput:
 
 @attrs.frozen
 class LoadOptions:
-    """How to load a runtime: ``dtype`` is auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp32 on CPU)."""
+    """How to load a runtime: ``dtype`` is auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp32 on CPU).
+
+    ``cuda_graphs``: capture decode steps as CUDA graphs on CUDA devices (``--no-cuda-graph`` turns it off).
+    """
 
     device: str = "cpu"
     dtype: str = "auto"
+    cuda_graphs: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

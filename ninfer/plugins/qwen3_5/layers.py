@@ -14,11 +14,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
+from ninfer.kernels.attention import paged_slot_mapping, write_paged_kv
 from ninfer.kernels.conv import causal_conv1d
-from ninfer.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from ninfer.kernels.moe import moe_forward, swiglu
+from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
+from ninfer.kernels.moe import swiglu
 from ninfer.kernels.norms import gated_rms_norm, rms_norm
+from ninfer.kernels.prefill import moe_feed_forward, prefill_attention, prefill_gated_delta_rule
 from ninfer.kernels.rope import apply_rotary
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 
@@ -167,7 +168,7 @@ def gated_deltanet(
                 q, k, v, decay[index], beta[index], initial, output_states=capture is not None
             )
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, decay[index], beta[index], initial)
+            out, final = prefill_gated_delta_rule(q, k, v, decay[index], beta[index], initial)
             states = None
         core[index] = out
         conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
@@ -199,7 +200,7 @@ def full_attention(
     cos, sin = rotary
     query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
     write_paged_kv(key_cache, value_cache, key, value, layout.slot_mapping)
-    attended = paged_attention(
+    attended = prefill_attention(
         query, key_cache, value_cache, layout.page_tables, layout.query_lens, layout.context_lens, scale=dim**-0.5
     )
     gated = attended.reshape(tokens, heads * dim) * torch.sigmoid(gate.reshape(tokens, heads * dim))
@@ -209,7 +210,7 @@ def full_attention(
 def feed_forward(weights: DenseMLPWeights | MoEWeights, config: Qwen35TextConfig, x: torch.Tensor) -> torch.Tensor:
     if isinstance(weights, DenseMLPWeights):
         return swiglu(x, weights.gate_proj, weights.up_proj, weights.down_proj)
-    return moe_forward(
+    return moe_feed_forward(
         x,
         weights.router,
         weights.gate_up,

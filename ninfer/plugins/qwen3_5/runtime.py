@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import torch
 
 from ninfer.core.artifact import Artifact
 from ninfer.core.errors import ConfigError
+from ninfer.kernels.triton import triton_available
 from ninfer.core.runtime import (
     AttentionLayerSpec,
     ForwardBatch,
@@ -20,6 +23,9 @@ from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.layers import BatchLayout
 from ninfer.plugins.qwen3_5.model import ForwardBatchError, Qwen35Model, WeightLoader, check_rows
 from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
+
+if TYPE_CHECKING:
+    from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner
 
 
 def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.device) -> RuntimeSpec:
@@ -51,10 +57,11 @@ def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.dev
 class Qwen35Runtime:
     """The hybrid Gated-DeltaNet trunk plus, when the artifact carries it, the MTP drafter (``mtp``)."""
 
-    def __init__(self, model: Qwen35Model, mtp: Qwen35MTP | None) -> None:
+    def __init__(self, model: Qwen35Model, mtp: Qwen35MTP | None, decoder: "DecodeGraphRunner | None" = None) -> None:
         self.model = model
         self.config = model.config
         self.mtp = mtp
+        self.decoder = decoder  # the fused CUDA decode path (Triton kernels, CUDA graphs); None on CPU
         self.spec = runtime_spec(model.config, model.dtype, model.device)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
@@ -65,6 +72,8 @@ class Qwen35Runtime:
         ``capture_states`` is set.
         """
         self._check(batch, kv, state)
+        if self.decoder is not None and self.decoder.supports(batch):
+            return self.decoder.forward(batch, kv, state)
         device = self.model.device
         layout = BatchLayout.build(
             batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device
@@ -114,4 +123,21 @@ def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
     config = Qwen35TextConfig.from_hf(artifact.manifest.config, artifact.manifest.architecture)
     loader = WeightLoader(artifact, dtype, device)
     model = Qwen35Model.load(loader, config)
-    return Qwen35Runtime(model, Qwen35MTP.load(loader, model))
+    model, decoder = accelerate(model, cuda_graphs=options.cuda_graphs)
+    return Qwen35Runtime(model, Qwen35MTP.load(loader, model), decoder)
+
+
+def accelerate(
+    model: Qwen35Model, *, cuda_graphs: bool, on_layer: Callable[[int, Any], None] | None = None
+) -> tuple[Qwen35Model, "DecodeGraphRunner | None"]:
+    """On CUDA with Triton: fuse the input projections and build the decode runner; elsewhere the model as is.
+
+    ``on_layer`` is handed to ``fuse_model`` (called with each fused layer).
+    """
+    if model.device.type != "cuda" or not triton_available(model.device):
+        return model, None
+    from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner
+    from ninfer.plugins.qwen3_5.fused import fuse_model
+
+    model, fused = fuse_model(model, on_layer)
+    return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs)

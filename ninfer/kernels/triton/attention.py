@@ -1,0 +1,280 @@
+"""Decode-side gated attention: q/k RMSNorm + partial MRoPE + paged KV write, and split-K paged decode attention.
+
+Twins: ``rms_norm(zero_centered)`` + ``apply_rotary`` + ``write_paged_kv`` for the first kernel and
+``paged_attention`` followed by ``* sigmoid(gate)`` for the second. The fused projection row of a token is
+``[q0 | gate0 | q1 | gate1 | ... | k (Hkv*D) | v (Hkv*D)]`` as the checkpoint's interleaved q_proj plus k/v.
+Every launch has a fixed grid and reads lengths from device memory, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.triton import next_power_of_2
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    proj_ptr,
+    proj_stride,
+    q_norm_ptr,
+    k_norm_ptr,
+    positions_ptr,
+    positions_stride,
+    inverse_frequencies_ptr,
+    axis_ptr,
+    q_out_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    eps,
+    QUERY_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    half: tl.constexpr = ROTARY // 2
+    rotated = d < ROTARY
+    partner = tl.where(d < half, d + half, d - half)
+    partner = tl.where(rotated, partner, d)
+    sign = tl.where(d < half, -1.0, 1.0)
+    frequency = tl.where(d < half, d, d - half)
+    axis = tl.load(axis_ptr + frequency, mask=rotated, other=0)
+    position = tl.load(positions_ptr + axis * positions_stride + token, mask=rotated, other=0).to(tl.float32)
+    angle = position * tl.load(inverse_frequencies_ptr + frequency, mask=rotated, other=0.0)
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    row = proj_ptr + token * proj_stride
+    is_query = head < QUERY_HEADS
+    if is_query:
+        base = row + head * (2 * D)
+        norm_ptr = q_norm_ptr
+    else:
+        base = row + QUERY_HEADS * (2 * D) + (head - QUERY_HEADS) * D
+        norm_ptr = k_norm_ptr
+    raw = tl.load(base + d)
+    x = raw.to(tl.float32)
+    x_partner = tl.load(base + partner).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * rstd * (tl.load(norm_ptr + d).to(tl.float32) + 1.0)
+    y_partner = x_partner * rstd * (tl.load(norm_ptr + partner).to(tl.float32) + 1.0)
+    out = tl.where(rotated, y * cos + sign * y_partner * sin, y)
+    if is_query:
+        tl.store(q_out_ptr + (token * QUERY_HEADS + head) * D + d, out.to(raw.dtype))
+    else:
+        kv_head = head - QUERY_HEADS
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        cache_offset = (slot * KV_HEADS + kv_head) * D + d
+        tl.store(key_cache_ptr + cache_offset, out.to(key_cache_ptr.dtype.element_ty))
+        value = tl.load(row + QUERY_HEADS * (2 * D) + (KV_HEADS + kv_head) * D + d)
+        tl.store(value_cache_ptr + cache_offset, value.to(value_cache_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_write_kv(
+    proj: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    positions: torch.Tensor,
+    inverse_frequencies: torch.Tensor,
+    axis_of_frequency: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    eps: float,
+    *,
+    query_heads: int,
+) -> torch.Tensor:
+    """Normalise and rotate q and k of ``proj [T, Hq*2D + 2*Hkv*D]``; store k, v at ``slot_mapping [T]``.
+
+    ``positions [3, T]`` are the MRoPE rows; the caches are ``[pages, page_size, Hkv, D]``. Returns q ``[T, Hq, D]``.
+    """
+    tokens = proj.shape[0]
+    _, _, kv_heads, dim = key_cache.shape
+    if proj.shape[1] != query_heads * 2 * dim + 2 * kv_heads * dim or proj.stride(1) != 1:
+        raise ValueError(f"proj must be [T, {query_heads * 2 * dim + 2 * kv_heads * dim}] with contiguous rows")
+    if positions.shape != (3, tokens) or positions.stride(1) != 1:
+        raise ValueError(f"positions must be [3, {tokens}] with contiguous rows")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    rotary = 2 * inverse_frequencies.shape[0]
+    q = torch.empty((tokens, query_heads, dim), dtype=proj.dtype, device=proj.device)
+    _qk_norm_rope_kernel[(tokens, query_heads + kv_heads)](
+        proj, proj.stride(0), q_norm, k_norm, positions, positions.stride(0), inverse_frequencies, axis_of_frequency,
+        q, key_cache, value_cache, slot_mapping, eps,
+        QUERY_HEADS=query_heads, KV_HEADS=kv_heads, D=dim, ROTARY=rotary, num_warps=2 if dim <= 256 else 4,
+    )
+    return q
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    page_tables_ptr,
+    page_tables_stride,
+    total_lens_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    scale,
+    page_size,
+    num_splits,
+    QUERY_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    total = tl.load(total_lens_ptr + row)
+    start = split * SPLIT
+    if start < total:
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        heads = kv_head * GROUP + g
+        valid_head = g < GROUP
+        q = tl.load(q_ptr + (row * QUERY_HEADS + heads)[:, None] * D + d[None, :], mask=valid_head[:, None], other=0.0)
+        running_max = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, D), tl.float32)
+        end = tl.minimum(start + SPLIT, total)
+        for block in range(start, end, BLOCK_N):
+            index = block + tl.arange(0, BLOCK_N)
+            valid = index < end
+            page = tl.load(page_tables_ptr + row * page_tables_stride + index // page_size, mask=valid, other=0)
+            slot = page.to(tl.int64) * page_size + index % page_size
+            offsets = (slot * KV_HEADS + kv_head)[:, None] * D + d[None, :]
+            k = tl.load(key_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            alpha = tl.exp(running_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(value_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            running_max = new_max
+        stat = (row * QUERY_HEADS + heads) * num_splits + split
+        tl.store(partial_max_ptr + stat, running_max, mask=valid_head)
+        tl.store(partial_sum_ptr + stat, running_sum, mask=valid_head)
+        tl.store(partial_out_ptr + stat[:, None] * D + d[None, :], acc, mask=valid_head[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    total_lens_ptr,
+    gate_ptr,
+    gate_row_stride,
+    gate_head_stride,
+    out_ptr,
+    num_splits,
+    QUERY_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(total_lens_ptr + row), SPLIT)
+    base = (row * QUERY_HEADS + head) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for first in range(0, used, BLOCK_S):
+        m = tl.load(partial_max_ptr + base + first + s, mask=first + s < used, other=float("-inf"))
+        best = tl.maximum(best, m)
+    global_max = tl.max(best, axis=0)
+    total_sum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for first in range(0, used, BLOCK_S):
+        index = first + s
+        valid = index < used
+        weight = tl.exp(tl.load(partial_max_ptr + base + index, mask=valid, other=float("-inf")) - global_max)
+        total_sum += weight * tl.load(partial_sum_ptr + base + index, mask=valid, other=0.0)
+        part = tl.load(partial_out_ptr + (base + index)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.sum(part * weight[:, None], axis=0)
+    out = acc / tl.sum(total_sum, axis=0)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + row * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
+        out = out * tl.sigmoid(gate)
+    tl.store(out_ptr + (row * QUERY_HEADS + head) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_split_tokens(max_tokens: int, *, max_splits: int = 256, minimum: int = 64) -> int:
+    """Tokens per split-K chunk so that at most ``max_splits`` chunks cover ``max_tokens`` (a power of two)."""
+    split = minimum
+    while split * max_splits < max_tokens:
+        split *= 2
+    return split
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    total_lens: torch.Tensor,
+    *,
+    scale: float,
+    gate: torch.Tensor | None = None,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
+    """One query token per row attends to its first ``total_lens[row]`` cached tokens (the new one included).
+
+    ``q [B, Hq, D]``; caches ``[pages, page_size, Hkv, D]``; ``page_tables [B, P]`` and ``total_lens [B]`` are
+    int32 or int64 on the device. ``gate [B, Hq, D]`` (any strides, unit last stride) multiplies the output by
+    sigmoid(gate). The grid covers ``P * page_size`` tokens, so the launch never depends on host-side lengths.
+    Returns ``[B, Hq*D]``.
+    """
+    batch, query_heads, dim = q.shape
+    _, page_size, kv_heads, cache_dim = key_cache.shape
+    if cache_dim != dim or query_heads % kv_heads:
+        raise ValueError(f"q [B, {query_heads}, {dim}] does not fit caches with {kv_heads} KV heads of dim {cache_dim}")
+    if not q.is_contiguous() or page_tables.stride(1) != 1:
+        raise ValueError("q must be contiguous and page_tables must have contiguous rows")
+    max_tokens = page_tables.shape[1] * page_size
+    split = split_tokens or decode_split_tokens(max_tokens)
+    num_splits = triton.cdiv(max_tokens, split)
+    group = query_heads // kv_heads
+    stats_shape = (batch, query_heads, num_splits)
+    partial_max = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    partial_out = torch.empty((*stats_shape, dim), dtype=torch.float32, device=q.device)
+    block_n = 32 if dim >= 256 else 64
+    _decode_partial_kernel[(batch, kv_heads, num_splits)](
+        q, key_cache, value_cache, page_tables, page_tables.stride(0), total_lens,
+        partial_out, partial_max, partial_sum, scale, page_size, num_splits,
+        QUERY_HEADS=query_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
+        D=dim, BLOCK_N=block_n, SPLIT=split, IEEE=q.dtype == torch.float32, num_warps=4,
+    )
+    out = torch.empty((batch, query_heads * dim), dtype=q.dtype, device=q.device)
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"gate must be [B, Hq, D] = {tuple(q.shape)} with a unit last stride")
+    _decode_reduce_kernel[(batch, query_heads)](
+        partial_out, partial_max, partial_sum, total_lens,
+        gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0, out, num_splits,
+        QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, num_warps=4,
+    )
+    return out

@@ -1,0 +1,141 @@
+"""Fused recurrent gated delta rule for decode / verify: gates, L2 norms, the state update and the gated output norm.
+
+Twin: ``ninfer.kernels.gated_delta.recurrent_gated_delta_rule`` followed by ``ninfer.kernels.norms.gated_rms_norm``.
+One program owns one (row, value head): it reads the row's fp32 state ``[Dk, Dv]`` from its slot, runs the row's
+``T`` tokens, optionally stores the state after every token (speculative verify), and writes the final state back
+in place. The gates are computed from the raw projections: ``beta = sigmoid(b)``,
+``g = decay_rate * softplus(a + dt_bias)`` with ``decay_rate = -exp(A_log)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.gated_delta import L2_EPS
+
+
+@triton.jit
+def _gated_delta_kernel(
+    qkv_ptr,
+    qkv_stride,
+    a_ptr,
+    b_ptr,
+    gate_stride,
+    z_ptr,
+    z_stride,
+    decay_rate_ptr,
+    dt_bias_ptr,
+    norm_weight_ptr,
+    state_ptr,
+    slots_ptr,
+    out_ptr,
+    states_out_ptr,
+    tokens_per_row,
+    scale,
+    norm_eps,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    FUSE_NORM: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    L2EPS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid // VALUE_HEADS).to(tl.int64)
+    head = pid % VALUE_HEADS
+    key_head = head // (VALUE_HEADS // KEY_HEADS)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    tile = dk[:, None] * DV + dv[None, :]
+    state_base = state_ptr + (slot * VALUE_HEADS + head) * (DK * DV)
+    state = tl.load(state_base + tile)
+    rate = tl.load(decay_rate_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    if FUSE_NORM:
+        norm_weight = tl.load(norm_weight_ptr + dv).to(tl.float32)
+    for t in range(tokens_per_row):
+        token = row * tokens_per_row + t
+        base = qkv_ptr + token * qkv_stride
+        q = tl.load(base + key_head * DK + dk).to(tl.float32)
+        k = tl.load(base + (KEY_HEADS + key_head) * DK + dk).to(tl.float32)
+        v_raw = tl.load(base + 2 * KEY_HEADS * DK + head * DV + dv)
+        v = v_raw.to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2EPS) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2EPS)
+        beta = tl.sigmoid(tl.load(b_ptr + token * gate_stride + head).to(tl.float32))
+        x = tl.load(a_ptr + token * gate_stride + head).to(tl.float32) + dt_bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        state = state * tl.exp(rate * softplus)
+        predicted = tl.sum(state * k[:, None], axis=0)
+        delta = beta * (v - predicted)
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        if FUSE_NORM:
+            z = tl.load(z_ptr + token * z_stride + head * DV + dv).to(tl.float32)
+            o = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps) * norm_weight * (z * tl.sigmoid(z))
+        tl.store(out_ptr + (token * VALUE_HEADS + head) * DV + dv, o.to(v_raw.dtype))
+        if STORE_STATES:
+            tl.store(states_out_ptr + (token * VALUE_HEADS + head) * (DK * DV) + tile, state)
+    tl.store(state_base + tile, state)
+
+
+def fused_recurrent_gated_delta(
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    decay_rate: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    key_heads: int,
+    tokens_per_row: int = 1,
+    z: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    scale: float | None = None,
+    output_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``tokens_per_row`` tokens of every row through the gated delta rule, updating ``ssm_cache`` in place.
+
+    ``qkv [N, 2*Hk*Dk + Hv*Dv]`` is the conv output (q | k | v, N = rows * tokens_per_row, a row's tokens
+    consecutive); ``a, b [N, Hv]`` the raw gate projections; ``ssm_cache [S, Hv, Dk, Dv]`` fp32; ``slots [rows]``.
+    With ``z [N, Hv*Dv]`` and ``norm_weight [Dv]`` the output is ``rms_norm(o) * w * silu(z)``, else ``o``.
+    Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``.
+    """
+    tokens = qkv.shape[0]
+    _, value_heads, key_dim, value_dim = ssm_cache.shape
+    if ssm_cache.dtype != torch.float32 or not ssm_cache.is_contiguous():
+        raise ValueError("ssm_cache must be a contiguous fp32 [S, Hv, Dk, Dv] tensor")
+    if qkv.shape[1] != 2 * key_heads * key_dim + value_heads * value_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [N, {2 * key_heads * key_dim + value_heads * value_dim}] with contiguous rows")
+    rows = slots.shape[0]
+    if rows * tokens_per_row != tokens:
+        raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {tokens} tokens")
+    if a.stride() != b.stride() or a.shape != (tokens, value_heads) or a.stride(1) != 1:
+        raise ValueError(f"a and b must be [N={tokens}, Hv={value_heads}] with the same strides")
+    fuse_norm = z is not None
+    if fuse_norm and (norm_weight is None or z.shape != (tokens, value_heads * value_dim) or z.stride(1) != 1):
+        raise ValueError("the fused norm needs z [N, Hv*Dv] with contiguous rows and norm_weight [Dv]")
+    out = torch.empty((tokens, value_heads, value_dim), dtype=qkv.dtype, device=qkv.device)
+    states = (
+        torch.empty((tokens, value_heads, key_dim, value_dim), dtype=torch.float32, device=qkv.device)
+        if output_states
+        else None
+    )
+    scale = key_dim**-0.5 if scale is None else scale
+    _gated_delta_kernel[(rows * value_heads,)](
+        qkv, qkv.stride(0), a, b, a.stride(0),
+        z if fuse_norm else qkv, z.stride(0) if fuse_norm else 0,
+        decay_rate, dt_bias, norm_weight if fuse_norm else decay_rate,
+        ssm_cache, slots, out, states if output_states else out,
+        tokens_per_row, scale, norm_eps,
+        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, DK=key_dim, DV=value_dim,
+        FUSE_NORM=fuse_norm, STORE_STATES=output_states, L2EPS=L2_EPS,
+        num_warps=8 if key_dim * value_dim >= 8192 else 4,
+    )
+    return out, states

@@ -1,0 +1,141 @@
+"""Fused row kernels: residual add + RMSNorm, gated RMSNorm * silu(z), and SiLU(gate) * up.
+
+Twins: ``ninfer.kernels.norms.rms_norm`` / ``gated_rms_norm`` and the activation inside ``ninfer.kernels.moe.swiglu``.
+All math is fp32; outputs take the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.triton import next_power_of_2
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    hidden_ptr,
+    normed_ptr,
+    n_cols,
+    x_stride,
+    residual_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(hidden_ptr + row * n_cols + cols, x, mask=mask)
+    values = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(values * values, axis=0) / n_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        weight = weight + 1.0
+    tl.store(normed_ptr + row * n_cols + cols, (values * rstd * weight).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centered: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden = x + residual`` (rounded to x.dtype; just ``x`` without a residual) and ``rms_norm(hidden)``.
+
+    ``x``/``residual`` are ``[N, H]`` with unit column stride. Returns ``(hidden, normed)``, both ``[N, H]``.
+    """
+    rows, cols = x.shape
+    _check_rows(x, "x")
+    normed = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    if residual is None:
+        hidden = x
+        residual_arg, residual_stride = x, 0
+    else:
+        _check_rows(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        hidden = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        residual_arg, residual_stride = residual, residual.stride(0)
+    block = next_power_of_2(cols)
+    _add_rms_norm_kernel[(rows,)](
+        x, residual_arg, weight, hidden, normed, cols, x.stride(0), residual_stride, eps,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
+        num_warps=_warps_for(block),
+    )
+    return hidden, normed
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, weight_ptr, out_ptr, n_cols, x_stride, z_stride, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    values = x.to(tl.float32)
+    z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(values * values, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (values * rstd * weight * z * tl.sigmoid(z)).to(x.dtype), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) * weight * silu(z)`` over the last dim of ``x, z [..., D]`` (plain weight); ``[..., D]`` out."""
+    if x.shape != z.shape:
+        raise ValueError(f"x {tuple(x.shape)} and z {tuple(z.shape)} must have the same shape")
+    dim = x.shape[-1]
+    x2, z2 = x.reshape(-1, dim), z.reshape(-1, dim)
+    _check_rows(x2, "x")
+    _check_rows(z2, "z")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block = next_power_of_2(dim)
+    _gated_rms_norm_kernel[(x2.shape[0],)](
+        x2, z2, weight, out, dim, x2.stride(0), z2.stride(0), eps, BLOCK=block, num_warps=_warps_for(block)
+    )
+    return out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inner, x_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    tl.store(out_ptr + row * inner + cols, (g * tl.sigmoid(g) * up).to(gate.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [N, 2I]`` laid out ``[gate | up]``; returns ``[N, I]``."""
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even width, got {width}")
+    _check_rows(gate_up, "gate_up")
+    inner = width // 2
+    out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, next_power_of_2(inner))
+    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](gate_up, out, inner, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+def _check_rows(tensor: torch.Tensor, name: str) -> None:
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be a 2-D tensor with contiguous rows; got shape {tuple(tensor.shape)}")
+
+
+def _warps_for(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8

@@ -1,0 +1,258 @@
+"""The CUDA decode path: one token per row through fused Triton kernels, captured as one CUDA graph per batch size.
+
+A decode step reads only static device buffers (token ids, MRoPE positions, cached lengths, page tables, state
+slots), so it has no host syncs and no control flow that depends on tensor values; the KV pages and state slots are
+updated in place. The first step of a batch size (and page-table width bucket) runs eagerly and serves as warm-up;
+the graph is captured right after it and replayed from then on. With graphs disabled the same kernels run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache
+from ninfer.kernels.triton import next_power_of_2, triton_available
+from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv
+from ninfer.kernels.triton.conv import causal_conv1d_update
+from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
+from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
+from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
+from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
+from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
+from ninfer.plugins.qwen3_5.layers import (
+    DecoderLayerWeights,
+    DenseMLPWeights,
+    FullAttentionWeights,
+    GatedDeltaNetWeights,
+    MoEWeights,
+)
+from ninfer.plugins.qwen3_5.model import Qwen35Model
+
+MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from here
+
+
+class DecodeInputs:
+    """Static device buffers of one captured batch shape: ``rows`` rows, page tables ``width`` pages wide.
+
+    All inputs live in one int64 device buffer filled by a single copy from a pinned host staging buffer:
+    ``token_ids [B]``, ``positions [3, B]`` (MRoPE rows), ``context_lens [B]`` (tokens cached before this step),
+    ``state_slots [B]`` and ``page_tables [B, W]``.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width = rows, width
+        size = rows * (6 + width)
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
+        self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
+            self.device_buffer
+        )
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = self.rows
+        return (
+            buffer[:rows],
+            buffer[rows : 4 * rows].view(3, rows),
+            buffer[4 * rows : 5 * rows],
+            buffer[5 * rows : 6 * rows],
+            buffer[6 * rows :].view(rows, self.width),
+        )
+
+    def load(self, batch: ForwardBatch) -> None:
+        """Stage one decode batch on the host and copy it to the device in one asynchronous transfer."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous transfer has read the staging buffer
+        token_ids, positions, context_lens, state_slots, page_tables = self._views(self.host_buffer)
+        token_ids.copy_(batch.token_ids)
+        positions.copy_(batch.positions)
+        context_lens.copy_(torch.as_tensor(list(batch.context_lens)))
+        state_slots.copy_(batch.state_slots)
+        page_tables[:, : batch.page_tables.shape[1]].copy_(batch.page_tables)
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+@attrs.define
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    inputs: DecodeInputs
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+class DecodeGraphRunner:
+    """Runs pure-decode batches of a CUDA-resident ``Qwen35Model`` whose input projections are fused."""
+
+    def __init__(
+        self, model: Qwen35Model, fused: Sequence[FusedProjections], *, use_graphs: bool = True, max_batch: int = 64
+    ) -> None:
+        if not triton_available(model.device):
+            raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
+        if model.device.type != "cuda" and use_graphs:
+            raise ValueError("CUDA graphs need a CUDA model")
+        self.model = model
+        self.config: Qwen35TextConfig = model.config
+        self.fused = tuple(fused)
+        self.use_graphs = use_graphs
+        self.max_batch = max_batch
+        self._graphs: dict[tuple, CapturedStep] = {}
+        self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
+        self._pool = None
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        """A pure decode batch (one new token per row, no state capture) this runner can take."""
+        return (
+            not batch.capture_states
+            and 0 < batch.num_rows <= self.max_batch
+            and all(n == 1 for n in batch.query_lens)
+        )
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
+        rows = batch.num_rows
+        width = max(MIN_PAGE_BUCKET, next_power_of_2(batch.page_tables.shape[1]))
+        key = (rows, width, _identity(kv, state))
+        captured = self._graphs.get(key) if self.use_graphs else None
+        if captured is not None:
+            captured.inputs.load(batch)
+            captured.graph.replay()
+            hidden, logits = captured.hidden, captured.logits.clone()
+            hidden = hidden.clone() if batch.return_hidden else None
+        else:
+            inputs = self._eager_inputs.get((rows, width))
+            if inputs is None:
+                inputs = self._eager_inputs[(rows, width)] = DecodeInputs(rows, width, self.model.device)
+            inputs.load(batch)
+            hidden, logits = self.step(inputs, kv, state)
+            if self.use_graphs:
+                self._graphs[key] = self._capture(rows, width, kv, state)
+        return ForwardOutput(
+            logits=None if batch.logits == "none" else logits,
+            hidden=hidden if batch.return_hidden else None,
+        )
+
+    def captured(self, rows: int) -> list[CapturedStep]:
+        """The graphs captured so far for batches of ``rows`` rows (any page-table width or cache)."""
+        return [step for key, step in self._graphs.items() if key[0] == rows]
+
+    def _capture(self, rows: int, width: int, kv: KVCache, state: StateCache) -> CapturedStep:
+        """Record one step over fresh static buffers (capturing executes nothing, so no cache is touched)."""
+        inputs = DecodeInputs(rows, width, self.model.device)
+        torch.cuda.synchronize(self.model.device)  # the eager warm-up step has finished
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden, logits = self.step(inputs, kv, state)
+        return CapturedStep(graph=graph, inputs=inputs, hidden=hidden, logits=logits)
+
+    def step(self, inputs: DecodeInputs, kv: KVCache, state: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and fp32 logits."""
+        model, config = self.model, self.config
+        page_size = kv.page_size
+        hidden = F.embedding(inputs.token_ids, model.embed_tokens)
+        context = inputs.context_lens
+        pages = inputs.page_tables.gather(1, (context // page_size)[:, None]).squeeze(1)
+        slot_mapping = pages * page_size + context % page_size
+        total_lens = inputs.context_lens + 1
+        pending: torch.Tensor | None = None  # the previous block's output, not yet added to the residual stream
+        attention_index = recurrent_index = 0
+        for layer, fused, kind in zip(model.layers, self.fused, config.layer_types):
+            hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
+            if kind == FULL_ATTENTION:
+                pending = self._attention(
+                    layer.mixer, fused, normed, inputs, slot_mapping, total_lens,  # type: ignore[arg-type]
+                    kv.key[attention_index], kv.value[attention_index],
+                )
+                attention_index += 1
+            else:
+                pending = self._gated_deltanet(
+                    layer.mixer, fused, normed, inputs.state_slots,  # type: ignore[arg-type]
+                    state.conv[recurrent_index], state.ssm[recurrent_index],
+                )
+                recurrent_index += 1
+            hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
+            pending = self._feed_forward(layer, fused, normed)
+        _, final = self._add_norm(pending, hidden, model.norm)
+        return final, model.logits(final)
+
+    def _add_norm(
+        self, pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if pending is None:
+            return add_rms_norm(hidden, None, weight, self.config.rms_norm_eps)
+        return add_rms_norm(pending, hidden, weight, self.config.rms_norm_eps)
+
+    def _gated_deltanet(
+        self,
+        weights: GatedDeltaNetWeights,
+        fused: FusedProjections,
+        normed: torch.Tensor,
+        slots: torch.Tensor,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        config = self.config
+        conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
+        projected = F.linear(normed, fused.mixer_in)
+        z = projected[:, conv_dim : conv_dim + value_dim]
+        b = projected[:, conv_dim + value_dim : conv_dim + value_dim + value_heads]
+        a = projected[:, conv_dim + value_dim + value_heads :]
+        mixed = causal_conv1d_update(projected[:, :conv_dim], weights.conv_weight, conv_cache, slots)
+        core, _ = fused_recurrent_gated_delta(
+            mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
+            key_heads=config.linear_num_key_heads, z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps,
+        )
+        return F.linear(core.view(normed.shape[0], value_dim), weights.out_proj)
+
+    def _attention(
+        self,
+        weights: FullAttentionWeights,
+        fused: FusedProjections,
+        normed: torch.Tensor,
+        inputs: DecodeInputs,
+        slot_mapping: torch.Tensor,
+        total_lens: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        config, model = self.config, self.model
+        heads, dim = config.num_attention_heads, config.head_dim
+        projected = F.linear(normed, fused.mixer_in)
+        query = qk_norm_rope_write_kv(
+            projected, weights.q_norm, weights.k_norm, inputs.positions, model.inverse_frequencies,
+            model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
+        )
+        gate = projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
+        attended = paged_attention_decode(
+            query, key_cache, value_cache, inputs.page_tables, total_lens, scale=dim**-0.5, gate=gate
+        )
+        return F.linear(attended, weights.o_proj)
+
+    def _feed_forward(self, layer: DecoderLayerWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        if isinstance(mlp, DenseMLPWeights):
+            return F.linear(silu_mul(F.linear(normed, fused.ffn_in)), mlp.down_proj)
+        return self._mixture_of_experts(mlp, fused, normed)
+
+    def _mixture_of_experts(self, mlp: MoEWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
+        top_k = self.config.num_experts_per_tok
+        num_experts, shared_inner = moe_widths(mlp)
+        entry = F.linear(normed, fused.ffn_in)
+        weights, experts = route_top_k(entry[:, :num_experts], top_k)  # type: ignore[arg-type]
+        shared = F.linear(silu_mul(entry[:, num_experts : num_experts + 2 * shared_inner]), mlp.shared_down)
+        activated = silu_mul(expert_gemv(normed, mlp.gate_up, experts, pairs_per_x=top_k))  # type: ignore[arg-type]
+        expert_out = expert_gemv(activated, mlp.down, experts, pairs_per_x=1)
+        return combine_experts(expert_out, weights, shared, entry[:, num_experts + 2 * shared_inner :])
+
+
+def _identity(kv: KVCache, state: StateCache) -> tuple[int, ...]:
+    """The cache storage a captured graph is bound to (caches are allocated whole, so the ends identify them)."""
+    ends = [t[i].data_ptr() for t in (kv.key, kv.value, state.conv, state.ssm) if t for i in (0, -1)]
+    return (kv.page_size, *ends)

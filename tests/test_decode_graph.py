@@ -1,0 +1,136 @@
+"""The fused decode path (Triton kernels, CUDA graphs) against the reference runtime on the same weights and caches.
+
+Runs on CUDA (graphs on and off); without a GPU it runs the eager fused path in Triton's CPU interpreter when
+``TRITON_INTERPRET=1``, otherwise it is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
+from ninfer.kernels.triton import triton_available
+from ninfer.plugins.qwen3_5.presets import preset_config
+from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
+from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+if not triton_available(DEVICE):
+    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
+from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
+
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 2e-2 if CUDA else 1e-4
+PAGE_SIZE = 16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm())
+
+
+class Caches:
+    """KV pages and state slots for ``rows`` rows; row r owns slot ``rows - 1 - r`` and shuffled pages."""
+
+    def __init__(self, runtime, rows: int, pages_per_row: int = 6) -> None:
+        self.kv = KVCache.allocate(runtime.spec, rows * pages_per_row + 3, PAGE_SIZE)
+        self.state = StateCache.allocate(runtime.spec, rows + 2)
+        order = torch.randperm(rows * pages_per_row + 3, generator=torch.Generator().manual_seed(7))
+        self.page_tables = order[: rows * pages_per_row].view(rows, pages_per_row).to(torch.int32)
+        self.slots = torch.arange(rows - 1, -1, -1)
+        self.lengths = [0] * rows
+
+    def clone(self) -> "Caches":
+        copy = object.__new__(Caches)
+        copy.kv = KVCache(self.kv.page_size, [t.clone() for t in self.kv.key], [t.clone() for t in self.kv.value])
+        copy.state = StateCache([t.clone() for t in self.state.conv], [t.clone() for t in self.state.ssm])
+        copy.page_tables, copy.slots, copy.lengths = self.page_tables, self.slots, list(self.lengths)
+        return copy
+
+    def batch(self, rows: list[int], chunks: list[list[int]]) -> ForwardBatch:
+        contexts = [self.lengths[r] for r in rows]
+        positions = torch.cat([torch.arange(c, c + len(t)) for c, t in zip(contexts, chunks)])
+        for r, chunk in zip(rows, chunks):
+            self.lengths[r] += len(chunk)
+        return ForwardBatch(
+            token_ids=torch.tensor([t for chunk in chunks for t in chunk]),
+            positions=positions.expand(3, -1),
+            query_lens=[len(c) for c in chunks],
+            context_lens=contexts,
+            page_tables=self.page_tables[rows],
+            state_slots=self.slots[rows],
+            logits="last",
+            return_hidden=True,
+        )
+
+
+def _runtimes(preset: str):
+    config = preset_config(preset)
+    tensors = random_text_weights(config, device=DEVICE, dtype=DTYPE, seed=3)
+    with torch.no_grad():  # move norms and gates away from their init values so every weight matters
+        for name, tensor in tensors.items():
+            if "norm" in name or "dt_bias" in name:
+                tensor.add_(torch.randn_like(tensor.float()).to(tensor.dtype) * 0.2)
+    reference = build_runtime(InMemorySource(preset, config, tensors), dtype=DTYPE, device=DEVICE)
+    model = reference.model
+    if reference.decoder is None:
+        model, fused = fuse_model(model)
+    else:
+        fused = reference.decoder.fused
+        reference = Qwen35Runtime(model, None, None)
+    return reference, model, fused
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_fused_decode_matches_reference(preset):
+    torch.manual_seed(0)
+    reference, model, fused = _runtimes(preset)
+    vocab = model.config.vocab_size
+    rows = [0, 1, 2]
+    caches = Caches(reference, len(rows))
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (5, 17, 30)]
+    with torch.no_grad():
+        reference.forward(caches.batch(rows, prompts), caches.kv, caches.state)
+    ours = caches.clone()
+    eager = DecodeGraphRunner(model, fused, use_graphs=False)
+    graphs = DecodeGraphRunner(model, fused, use_graphs=True) if CUDA else None
+    graph_caches = caches.clone() if CUDA else None
+    for step in range(5):
+        active = rows if step < 3 else rows[:2]  # the batch shrinks: a second batch size
+        tokens = [[int(t)] for t in torch.randint(0, vocab, (len(active),))]
+        expected = reference.forward(caches.batch(active, tokens), caches.kv, caches.state)
+        got = eager.forward(ours.batch(active, tokens), ours.kv, ours.state)
+        assert rel_err(got.logits, expected.logits) < TOL, step
+        assert rel_err(got.hidden, expected.hidden) < TOL, step
+        if graphs is not None:
+            replayed = graphs.forward(graph_caches.batch(active, tokens), graph_caches.kv, graph_caches.state)
+            assert rel_err(replayed.logits, got.logits) < 1e-6, step
+    for got_ssm, expected_ssm in zip(ours.state.ssm, caches.state.ssm):
+        assert rel_err(got_ssm, expected_ssm) < TOL
+    for got_conv, expected_conv in zip(ours.state.conv, caches.state.conv):
+        assert rel_err(got_conv, expected_conv) < TOL
+    for got_key, expected_key in zip(ours.kv.key, caches.kv.key):
+        assert rel_err(got_key, expected_key) < TOL
+    if graphs is not None:
+        assert len(graphs._graphs) == 2  # one per batch size, replayed on the later steps
+        for replay_ssm, eager_ssm in zip(graph_caches.state.ssm, ours.state.ssm):
+            assert rel_err(replay_ssm, eager_ssm) < 1e-6
+
+
+def test_runtime_routes_pure_decode_batches_only():
+    reference, model, fused = _runtimes("tiny")
+    runtime = Qwen35Runtime(model, None, DecodeGraphRunner(model, fused, use_graphs=CUDA))
+    caches = Caches(runtime, 2)
+    decoder = runtime.decoder
+    assert not decoder.supports(caches.batch([0, 1], [[1, 2], [3]]))  # a prefill chunk: reference path
+    assert decoder.supports(caches.batch([0, 1], [[4], [5]]))
+    verify = caches.batch([0], [[6]])
+    verify.capture_states = True
+    assert not decoder.supports(verify)

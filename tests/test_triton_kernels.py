@@ -1,0 +1,209 @@
+"""Triton kernels against their pure-torch twins (relative error: bf16 <= 1e-2, fp32 state <= 1e-4).
+
+Runs on CUDA; without a GPU it runs in Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (small shapes, fp32),
+otherwise it is skipped. Inputs are random and non-zero, lengths are not multiples of the block sizes, states start
+non-zero, and outputs and untouched cache slots are checked element by element.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
+from ninfer.kernels.conv import causal_conv1d
+from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
+from ninfer.kernels.moe import moe_forward
+from ninfer.kernels.norms import gated_rms_norm, rms_norm
+from ninfer.kernels.rope import apply_rotary, mrope_axis_of_frequency, rope_inverse_frequencies, rotary_cos_sin
+from ninfer.kernels.triton import triton_available
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.cuda.is_available()
+if not triton_available("cuda" if CUDA else "cpu"):
+    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv  # noqa: E402
+from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
+from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
+from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
+from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
+STATE_TOL = 1e-4
+BIG = CUDA  # real head sizes on the GPU, toy ones in the interpreter
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def randn(*shape, dtype=DTYPE, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(with_residual):
+    hidden = 5120 if BIG else 80
+    x, residual, weight = randn(7, hidden), randn(7, hidden), randn(hidden, scale=0.1)
+    total, normed = add_rms_norm(x, residual if with_residual else None, weight, 1e-6)
+    expected_total = (x + residual) if with_residual else x
+    assert torch.equal(total, expected_total)
+    assert rel_err(normed, rms_norm(expected_total, weight, 1e-6, zero_centered=True)) < TOL
+
+
+def test_gated_rms_norm_and_silu_mul():
+    dim = 128 if BIG else 16
+    x, z, weight = randn(5, 6, dim), randn(5, 6, dim), 1 + randn(dim, scale=0.1)
+    assert rel_err(triton_gated_rms_norm(x, z, weight, 1e-6), gated_rms_norm(x, z, weight, 1e-6)) < TOL
+    gate_up = randn(3, 2 * (300 if BIG else 40))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert rel_err(silu_mul(gate_up), F.silu(gate.float()) * up.float()) < TOL
+
+
+def test_conv_update_matches_reference_and_leaves_other_slots():
+    channels, kernel, slots_total = (10240 if BIG else 100), 4, 6
+    weight = randn(channels, kernel, scale=0.5)
+    cache = randn(slots_total, channels, kernel - 1)
+    before = cache.clone()
+    slots = torch.tensor([4, 1, 3], device=DEVICE)
+    x_full = randn(3, channels + 7)  # strided rows, as inside a fused projection
+    x = x_full[:, :channels]
+    out = causal_conv1d_update(x, weight, cache, slots)
+    ref_out, ref_state, _ = causal_conv1d(x[:, None, :].contiguous(), weight, before[slots])
+    assert rel_err(out, ref_out[:, 0]) < TOL
+    assert torch.equal(cache[slots], ref_state)
+    untouched = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("tokens_per_row,fuse_norm", [(1, True), (3, True), (3, False)])
+def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm):
+    key_heads, value_heads, dk, dv = (4, 12, 128, 128) if BIG else (2, 4, 16, 16)
+    rows, slots_total = 3, 5
+    tokens = rows * tokens_per_row
+    qkv_width = 2 * key_heads * dk + value_heads * dv
+    proj = randn(tokens, qkv_width + value_heads * dv + 2 * value_heads)  # [qkv | z | b | a] like the fused proj
+    qkv = proj[:, :qkv_width]
+    z = proj[:, qkv_width : qkv_width + value_heads * dv]
+    b = proj[:, qkv_width + value_heads * dv : qkv_width + value_heads * dv + value_heads]
+    a = proj[:, qkv_width + value_heads * dv + value_heads :]
+    decay_rate = -torch.empty(value_heads, device=DEVICE).uniform_(1, 16)
+    dt_bias = torch.randn(value_heads, device=DEVICE)
+    norm_weight = 1 + randn(dv, scale=0.1)
+    cache = torch.randn(slots_total, value_heads, dk, dv, device=DEVICE) * 0.1
+    before = cache.clone()
+    slots = torch.tensor([2, 0, 4], device=DEVICE)
+    out, states = fused_recurrent_gated_delta(
+        qkv, a, b, decay_rate, dt_bias, cache, slots, key_heads=key_heads, tokens_per_row=tokens_per_row,
+        z=z if fuse_norm else None, norm_weight=norm_weight if fuse_norm else None, output_states=True,
+    )
+    shaped = qkv.reshape(rows, tokens_per_row, qkv_width)
+    q, k, v = torch.split(shaped, [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+    g = decay_rate * F.softplus(a.float() + dt_bias)
+    ref_out, ref_final, ref_states = recurrent_gated_delta_rule(
+        q.reshape(rows, tokens_per_row, key_heads, dk), k.reshape(rows, tokens_per_row, key_heads, dk),
+        v.reshape(rows, tokens_per_row, value_heads, dv), g.reshape(rows, tokens_per_row, value_heads),
+        torch.sigmoid(b.float()).reshape(rows, tokens_per_row, value_heads), before[slots], output_states=True,
+    )
+    ref_out = ref_out.reshape(tokens, value_heads, dv)
+    if fuse_norm:
+        ref_out = gated_rms_norm(ref_out.float(), z.reshape(tokens, value_heads, dv).float(), norm_weight, 1e-6)
+    assert rel_err(out, ref_out) < TOL
+    assert rel_err(cache[slots], ref_final) < STATE_TOL
+    assert rel_err(states, ref_states.reshape(tokens, value_heads, dk, dv)) < STATE_TOL
+    untouched = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+def _paged_setup(kv_heads, dim, page_size, rows_pages, num_pages):
+    key_cache = randn(num_pages, page_size, kv_heads, dim)
+    value_cache = randn(num_pages, page_size, kv_heads, dim)
+    order = torch.randperm(num_pages, device=DEVICE)[: rows_pages[0] * rows_pages[1]]
+    page_tables = order.view(*rows_pages).to(torch.int32)
+    return key_cache, value_cache, page_tables
+
+
+def test_qk_norm_rope_write_kv():
+    query_heads, kv_heads, dim = (24, 4, 256) if BIG else (4, 2, 32)
+    rotary = dim // 4
+    page_size, rows = 16, 3
+    key_cache, value_cache, page_tables = _paged_setup(kv_heads, dim, page_size, (rows, 4), 20)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    contexts = [5, 17, 33]
+    proj = randn(rows, query_heads * 2 * dim + 2 * kv_heads * dim)
+    q_norm, k_norm = randn(dim, scale=0.1), randn(dim, scale=0.1)
+    positions = torch.tensor(contexts, device=DEVICE)[None, :].repeat(3, 1)
+    positions[1] += 3  # distinct MRoPE rows exercise the per-frequency axis
+    inv = rope_inverse_frequencies(rotary, 1e7, DEVICE)
+    section = (rotary // 2 - 2 * (rotary // 6), rotary // 6, rotary // 6)
+    axis = mrope_axis_of_frequency(rotary // 2, section, interleaved=True, device=DEVICE)
+    slot_mapping = paged_slot_mapping(page_tables, [1] * rows, contexts, page_size)
+    q = qk_norm_rope_write_kv(
+        proj, q_norm, k_norm, positions, inv, axis, key_cache, value_cache, slot_mapping, 1e-6, query_heads=query_heads
+    )
+    query = proj[:, : query_heads * 2 * dim].view(rows, query_heads, 2 * dim)[..., :dim]
+    key = proj[:, query_heads * 2 * dim : query_heads * 2 * dim + kv_heads * dim].view(rows, kv_heads, dim)
+    value = proj[:, query_heads * 2 * dim + kv_heads * dim :].view(rows, kv_heads, dim)
+    cos, sin = rotary_cos_sin(positions, inv, axis)
+    ref_q = apply_rotary(rms_norm(query.float(), q_norm, 1e-6, zero_centered=True), cos, sin)
+    ref_k = apply_rotary(rms_norm(key.float(), k_norm, 1e-6, zero_centered=True), cos, sin)
+    assert rel_err(q, ref_q) < TOL
+    write_paged_kv(before_k, before_v, ref_k.to(DTYPE), value, slot_mapping)
+    assert rel_err(key_cache, before_k) < TOL
+    assert torch.equal(value_cache, before_v)
+
+
+@pytest.mark.parametrize("split_tokens", [None, 32])
+def test_paged_attention_decode(split_tokens):
+    query_heads, kv_heads, dim = (24, 4, 256) if BIG else (4, 2, 32)
+    page_size, rows, pages_per_row = 16, 4, 20
+    key_cache, value_cache, page_tables = _paged_setup(kv_heads, dim, page_size, (rows, pages_per_row), 100)
+    totals = [1, 37, 130, 319]
+    q = randn(rows, query_heads, dim)
+    gate_source = randn(rows, query_heads, 2 * dim)
+    gate = gate_source[..., dim:]
+    total_lens = torch.tensor(totals, device=DEVICE, dtype=torch.int32)
+    out = paged_attention_decode(
+        q, key_cache, value_cache, page_tables, total_lens, scale=dim**-0.5, gate=gate, split_tokens=split_tokens
+    )
+    ref = paged_attention(q, key_cache, value_cache, page_tables, [1] * rows, [t - 1 for t in totals])
+    ref = ref.float() * torch.sigmoid(gate.float())
+    assert rel_err(out.view(rows, query_heads, dim), ref) < TOL
+
+
+def test_moe_decode_pieces_match_moe_forward():
+    hidden, inner, experts, top_k = (512, 128, 64, 8) if BIG else (48, 16, 8, 2)
+    tokens = 3
+    x = randn(tokens, hidden)
+    router = randn(experts, hidden, scale=0.5)
+    gate_up = randn(experts, 2 * inner, hidden, scale=0.05)
+    down = randn(experts, hidden, inner, scale=0.05)
+    shared_gate, shared_up = randn(inner, hidden, scale=0.05), randn(inner, hidden, scale=0.05)
+    shared_down, shared_expert_gate = randn(hidden, inner, scale=0.05), randn(1, hidden, scale=0.05)
+    ref = moe_forward(
+        x, router, gate_up, down, top_k, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down,
+        shared_expert_gate=shared_expert_gate,
+    )
+    entry = F.linear(x, torch.cat([router, shared_gate, shared_up, shared_expert_gate]))
+    weights, chosen = route_top_k(entry[:, :experts], top_k)
+    ref_probs = torch.softmax(entry[:, :experts].float(), dim=-1)
+    ref_weights, ref_chosen = torch.topk(ref_probs, top_k, dim=-1)
+    assert torch.equal(chosen.long().sort(dim=-1).values, ref_chosen.sort(dim=-1).values)
+    assert rel_err(weights, ref_weights / ref_weights.sum(-1, keepdim=True)) < 1e-5
+    hidden_act = silu_mul(expert_gemv(x, gate_up, chosen, pairs_per_x=top_k))
+    expert_out = expert_gemv(hidden_act, down, chosen, pairs_per_x=1)
+    shared = F.linear(silu_mul(entry[:, experts : experts + 2 * inner]), shared_down)
+    out = combine_experts(expert_out, weights, shared, entry[:, experts + 2 * inner :])
+    assert rel_err(out, ref) < TOL
