@@ -15,6 +15,18 @@ def _mount_openai_chat(app: Any, context: Any) -> None:
     mount_openai_chat(app, context)
 
 
+def _mount_openai_responses(app: Any, context: Any) -> None:
+    from ninfer.protocols.openai_responses import mount_openai_responses  # lazily, like Chat (engine imports)
+
+    mount_openai_responses(app, context)
+
+
+def _mount_anthropic_messages(app: Any, context: Any) -> None:
+    from ninfer.protocols.anthropic_messages import mount_anthropic_messages  # lazily, like openai_chat
+
+    mount_anthropic_messages(app, context)
+
+
 @hookimpl
 def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
     return [
@@ -37,10 +49,12 @@ def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
                 Route("POST", "/v1/responses/compact"),
             ),
             "OpenAI Responses Core",
+            mount=_mount_openai_responses,
         ),
         ProtocolAdapter(
             "anthropic_messages",
             (Route("POST", "/v1/messages"), Route("POST", "/v1/messages/count_tokens")),
             "Anthropic Messages",
+            mount=_mount_anthropic_messages,
         ),
     ]
