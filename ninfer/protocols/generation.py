@@ -42,13 +42,16 @@ from ninfer.core.frontend import (
     ToolCallStarted,
 )
 from ninfer.core.observability import oplog
+from ninfer.core.observability.request_log import RequestObserver, cache_summary, observability_for
 from ninfer.core.records import RequestRecord
 from ninfer.protocols.http import wait_for_disconnect
 
 _ACTIVE_KEY = "generation.active"
 _STOPPING_KEY = "generation.stopping"
+_PENDING_RECORDS_KEY = "generation.pending_records"
 _POOL_KEY = "generation.prepare_pool"
 _MAX_PREPARE_WORKERS = 8
+_ABANDONED_POLL_S = 0.02
 
 
 class ClientDisconnectedError(NinferError):
@@ -68,6 +71,7 @@ class GenerationJob:
     conversation: Conversation
     options: GenerationOptions
     report_progress: bool = False
+    stream: bool = False
 
 
 @attrs.frozen
@@ -217,6 +221,8 @@ class Generation:
         self._closed = False
         self._started_at = time.monotonic()
         self._recorded = False
+        self._observer: RequestObserver | None = None
+        self._decoder: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -227,8 +233,14 @@ class Generation:
         engine = self.context.engine
         ticket = engine.reserve_slot()
         _active(self.context).add(self)
+        observability = observability_for(self.context)
+        if observability is not None:
+            self._observer = observability.observe(
+                self.job.protocol, self.request_id, self.job.conversation, self.job.stream
+            )
         try:
             self.prepared = await self._prepare(ticket)
+            prepare_seconds = time.monotonic() - self._started_at
             if self._cancelled or is_stopping(self.context):
                 raise cancelled_error(self)
             request = GenerationRequest(
@@ -238,15 +250,21 @@ class Generation:
                 report_progress=self.job.report_progress,
                 request_id=self.request_id,
             )
-        except BaseException:
+        except BaseException as exc:
             ticket.release()
             _active(self.context).discard(self)
+            if self._observer is not None:
+                self._observer.rejected(exc)
             raise
         try:
             self._handle = engine.submit(request, ticket)
-        except BaseException:
+        except BaseException as exc:
             _active(self.context).discard(self)
+            if self._observer is not None:
+                self._observer.rejected(exc)
             raise
+        if self._observer is not None:
+            self._observer.started(self.prepared, request.sampling, prepare_seconds, time.monotonic())
         self._events = self._handle.events()
 
     async def _prepare(self, ticket: Any) -> PreparedPrompt:
@@ -300,8 +318,10 @@ class Generation:
         assert self._events is not None, "start() must succeed before events are read"
         try:
             return await self._events.__anext__()
-        except NinferError:
+        except NinferError as exc:
             self._record_error()
+            if self._observer is not None:
+                self._observer.failed(exc)
             raise
         except StopAsyncIteration:
             raise AssertionError("the engine ended a request without a terminal event") from None
@@ -316,7 +336,7 @@ class Generation:
         Engine failures after admission raise the engine's typed error.
         """
         assert self.prepared is not None
-        decoder = self.context.frontend.decoder(self.prepared)
+        decoder = self._decoder = self.context.frontend.decoder(self.prepared)
         accumulator = OutputAccumulator()
         while True:
             event = self._pending.pop(0) if self._pending else await self._next_event()
@@ -325,6 +345,10 @@ class Generation:
             elif isinstance(event, ProgressEvent):
                 yield PromptProgress(event)
             elif isinstance(event, TokensEvent):
+                if self._observer is not None and self.admission is not None:
+                    self._observer.committed(
+                        event.completion_tokens, self.admission.prompt_tokens, self.admission.cached_tokens
+                    )
                 events = tuple(decoder.push(event.text, token_count=len(event.token_ids)))
                 if events:
                     accumulator.add(events)
@@ -370,6 +394,28 @@ class Generation:
         _active(self.context).discard(self)
         if self._handle is not None:
             self._handle.close()
+            if self._observer is not None and not self._observer.ended:
+                task = asyncio.get_running_loop().create_task(self._record_abandoned())
+                pending = self.context.state.setdefault(_PENDING_RECORDS_KEY, set())
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+    async def _record_abandoned(self) -> None:
+        """The response ended before the engine outcome was read (e.g. a stream closed early): wait for the
+        (cancelled) request's terminal on the handle so it still gets its one terminal record."""
+        handle, observer = self._handle, self._observer
+        assert handle is not None and observer is not None
+        while not handle.done:
+            await asyncio.sleep(_ABANDONED_POLL_S)
+        decoder = self._decoder
+        if handle.outcome is not None:
+            observer.done(
+                handle.outcome,
+                decoder.parse_report if decoder is not None else ParseReport(),
+                decoder.reasoning_tokens if decoder is not None else 0,
+            )
+        elif handle.error is not None:
+            observer.failed(handle.error)
 
     # -- records -----------------------------------------------------------------------------------
 
@@ -379,6 +425,8 @@ class Generation:
         ttft = None
         if timings.first_token_at is not None:
             ttft = max(timings.first_token_at - timings.submitted_at, 0.0)
+        if self._observer is not None:
+            self._observer.done(outcome, result.parse_report, result.reasoning_tokens)
         log = oplog.get_logger()
         if outcome.finish_reason == "cancelled":
             log.info(f"request {self.request_id} {self.job.protocol} cancelled after {outcome.completion_tokens} tokens")
@@ -386,7 +434,8 @@ class Generation:
             rate = timings.timings_dict()["predicted_per_second"]
             log.info(
                 f"request {self.request_id} {self.job.protocol} done: {outcome.finish_reason}, prompt "
-                f"{outcome.prompt_tokens} (cache {outcome.cached_tokens}), completion {outcome.completion_tokens}"
+                f"{outcome.prompt_tokens} ({cache_summary(outcome.prompt_tokens, outcome.cached_tokens)}), "
+                f"completion {outcome.completion_tokens}"
                 + (f", reasoning {result.reasoning_tokens}" if result.reasoning_tokens else "")
                 + (f", tool calls {len(result.tool_calls)}" if result.tool_calls else "")
                 + (f", ttft {ttft * 1000:.0f} ms" if ttft is not None else "")

@@ -223,7 +223,10 @@ class ChatCompletionsResource:
     async def on_post(self, req: Any, resp: Any) -> None:
         body = await read_json_object(req, self.max_body_bytes)
         request = parse_chat_request(body, model_id=self.context.model_id, vision=bool(self.context.config.vision))
-        job = GenerationJob(PROTOCOL, request.conversation, request.options, report_progress=request.return_progress)
+        job = GenerationJob(
+            PROTOCOL, request.conversation, request.options, report_progress=request.return_progress,
+            stream=request.stream,
+        )
         generation = Generation(self.context, job, req.context.request_id)
         created, completion, model = int(time.time()), completion_id(), self.context.model_id
         if request.stream:

@@ -1,0 +1,154 @@
+"""The fixed-interval throughput report: one stderr line and one JSONL ``throughput`` event per active interval.
+
+Token counters are fed by the protocol layer as it receives engine commits (:class:`ThroughputCounters`);
+the scheduler snapshot comes from ``Engine.stats()`` at the end of the interval. Fully idle intervals
+(no counter moved and nothing outstanding) are omitted. Counters the engine does not measure yet
+(decode rounds, host work, context-cache activity) are reported as null; see ``docs/request-log.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from ninfer.core.observability import oplog
+
+
+@attrs.define
+class IntervalCounts:
+    """Counter deltas over one interval."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_started: int = 0
+    requests_finished: int = 0
+
+    def idle(self) -> bool:
+        return not (self.prefill_tokens or self.decode_tokens or self.requests_started or self.requests_finished)
+
+
+class ThroughputCounters:
+    """Thread-safe interval counters: prompt tokens computed by prefill, tokens committed by decode rounds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = IntervalCounts()
+
+    def add(self, *, prefill_tokens: int = 0, decode_tokens: int = 0, started: int = 0, finished: int = 0) -> None:
+        with self._lock:
+            self._counts.prefill_tokens += prefill_tokens
+            self._counts.decode_tokens += decode_tokens
+            self._counts.requests_started += started
+            self._counts.requests_finished += finished
+
+    def take(self) -> IntervalCounts:
+        """The deltas since the previous call; resets them."""
+        with self._lock:
+            counts, self._counts = self._counts, IntervalCounts()
+        return counts
+
+
+def scheduler_snapshot(stats: Any) -> dict[str, int]:
+    """The engine's scheduler state; states the engine does not have yet are 0."""
+    return {
+        "running": stats.prefilling + stats.decoding,
+        "prefilling": stats.prefilling,
+        "decode_ready": stats.decoding,
+        "waiting": stats.waiting,
+        "materializing": 0,
+        "capture_pending": 0,
+        "terminal_pending": 0,
+        "outstanding": stats.outstanding,
+    }
+
+
+def throughput_fields(counts: IntervalCounts, interval_seconds: float, stats: Any) -> dict[str, Any]:
+    """The JSONL ``throughput`` event body."""
+    memory = stats.memory
+    return {
+        "interval_seconds": interval_seconds,
+        "tokens": {"prefill": counts.prefill_tokens, "decode": counts.decode_tokens},
+        "requests": {"started": counts.requests_started, "finished": counts.requests_finished},
+        "decode_rounds": {"rounds": None, "row_rounds": None, "average_size": None},
+        "scheduler": scheduler_snapshot(stats),
+        "context_cache": {
+            "occupancy": {
+                "checkpoints": memory.checkpoints,
+                "checkpoint_pages": memory.checkpoint_pages,
+                "free_pages": memory.free_pages,
+                "total_pages": memory.total_pages,
+                "promised_pages": memory.promised_pages,
+            },
+            "counters": None,
+            "last_selection": None,
+        },
+        "host_work": None,
+    }
+
+
+def pretty_line(counts: IntervalCounts, interval_seconds: float, stats: Any) -> str:
+    """The rounded stderr summary: nonzero rates and counts, the running composition, nonzero waiting."""
+    parts = []
+    if counts.prefill_tokens:
+        parts.append(f"prefill {counts.prefill_tokens} tok ({counts.prefill_tokens / interval_seconds:.1f} tok/s)")
+    if counts.decode_tokens:
+        parts.append(f"decode {counts.decode_tokens} tok ({counts.decode_tokens / interval_seconds:.1f} tok/s)")
+    if counts.requests_finished:
+        parts.append(f"{counts.requests_finished} finished")
+    snapshot = scheduler_snapshot(stats)
+    parts.append(f"running {snapshot['running']} (prefill {snapshot['prefilling']}, decode {snapshot['decode_ready']})")
+    if snapshot["waiting"]:
+        parts.append(f"waiting {snapshot['waiting']}")
+    return f"throughput {interval_seconds:.1f} s: " + ", ".join(parts)
+
+
+class ThroughputReporter:
+    """A daemon thread reporting every ``interval_ms`` until :meth:`stop`."""
+
+    def __init__(self, engine: Any, counters: ThroughputCounters, interval_ms: int, request_log: Any | None) -> None:
+        if interval_ms <= 0:
+            raise ValueError("the throughput interval must be positive (0 disables the reporter: do not start it)")
+        self.engine = engine
+        self.counters = counters
+        self.interval_s = interval_ms / 1000.0
+        self.request_log = request_log
+        self._stop = threading.Event()
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="ninfer-throughput", daemon=True)
+
+    def start(self) -> None:
+        self._last = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and report the final partial interval (unless it was idle)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._safe_report(time.monotonic() - self._last)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            self._safe_report(now - self._last)
+            self._last = now
+
+    def _safe_report(self, interval_seconds: float) -> None:
+        try:
+            self.report(max(interval_seconds, 1e-6))
+        except Exception as exc:  # reporting must never take the server down
+            oplog.get_logger().warning(f"throughput report failed: {type(exc).__name__}: {exc}")
+
+    def report(self, interval_seconds: float) -> bool:
+        """Emit one report unless the interval was fully idle; returns whether it reported."""
+        counts = self.counters.take()
+        stats = self.engine.stats()
+        if counts.idle() and stats.outstanding == 0:
+            return False
+        oplog.get_logger().info(pretty_line(counts, interval_seconds, stats))
+        if self.request_log is not None:
+            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats))
+        return True
