@@ -159,15 +159,19 @@ def test_checkpoints_are_evicted_under_page_pressure():
     engine.shutdown()
 
 
-def test_matching_checkpoint_that_blocks_the_reservation_is_not_kept():
-    # The whole pool is reserved by the follow-up; the matching checkpoint ends mid-page, so keeping it would
-    # leave one page short forever. Admission must fall back to no reuse instead of waiting.
+def test_checkpoint_is_consumed_when_sharing_it_would_block_the_reservation():
+    # The follow-up is entitled to the whole pool; the matching checkpoint ends mid-page, so sharing it (which
+    # copies the partial page) would leave one page short forever. Admission takes the checkpoint over instead.
     engine = make_engine(max_concurrency=1, max_context=32, kv_capacity=32, page_size=4)
     prompt = prompts_of([13], seed=8)[0]
     engine.submit(greedy(prompt, 1)).result(10)
     assert engine.stats().memory.checkpoints > 0
     out = engine.submit(greedy(prompt, 32 - len(prompt))).result(10)
+    assert out.cached_tokens == len(prompt)
     assert out.output_token_ids == tuple(oracle_greedy(prompt, 32 - len(prompt)))
+    fed = prompt + list(out.output_token_ids[:-1])  # the finished request's checkpoint: everything it fed
+    again = engine.submit(greedy(fed + [7], 0)).result(10)
+    assert again.cached_tokens == len(fed) == 31
     assert idle(engine)
     engine.shutdown()
 

@@ -278,7 +278,7 @@ class MessagesResource:
         body = await read_json_object(req, self.max_body_bytes)
         request = parse_messages_request(body, request_settings(self.context))
         max_tokens = request.options.max_tokens or self.context.config.default_max_tokens
-        job = GenerationJob(PROTOCOL, request.conversation, request.options)
+        job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream)
         generation = Generation(self.context, job, req.context.request_id)
         renderer = MessageRenderer(request, max_tokens)
         if request.stream:

@@ -259,7 +259,7 @@ class ResponseRun:
         self.response_id = new_id("resp")
         self.created_at = int(time.time())
         self.builder = OutputBuilder()
-        job = GenerationJob(PROTOCOL, request.conversation, request.options)
+        job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream)
         self.generation = Generation(context, job, request_id)
 
     def snapshot(self, status: str, **fields: Any) -> dict[str, Any]:

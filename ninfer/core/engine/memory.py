@@ -90,14 +90,23 @@ class EngineMemory:
     # -- admission ---------------------------------------------------------------------------------
 
     def try_admit(self, seq: Sequence, reuse: bool) -> bool:
-        """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait."""
+        """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait.
+
+        A hit is normally shared (full pages referenced, the partial last page copied). When sharing would leave
+        the reservation short — e.g. a request entitled to the whole pool — a checkpoint whose partial page no one
+        else references is consumed instead: the request takes over its pages and the checkpoint is dropped.
+        Failing both, the request is admitted without reuse.
+        """
         hit = self.cache.lookup(seq.prompt) if reuse else None
-        if hit is not None and not self._fits(seq, hit):
-            hit = None  # keeping the checkpoint would leave too few pages: admit without reuse instead
-        if not self._fits(seq, hit):
+        consume = False
+        if hit is not None and not self._fits(seq, hit, self._shareable_pages(hit)):
+            consume = self._consumable(hit) and self._fits(seq, hit, len(hit.pages))
+            if not consume:
+                hit = None
+        reused = 0 if hit is None else len(hit.pages) if consume else self._shareable_pages(hit)
+        if not self._fits(seq, hit, reused):
             return False
-        shared_pages = len(hit.tokens) // self.page_size if hit is not None else 0
-        fresh = pages_for(seq.reserved_tokens, self.page_size) - shared_pages
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - reused
         while self.pages.free_count - self.promised < fresh:
             if not self.cache.evict_lru(keep=hit):
                 return False
@@ -108,21 +117,35 @@ class EngineMemory:
             self.state.reset(seq.slot)
             return True
         size = len(hit.tokens)
-        for page in hit.pages[:shared_pages]:
-            self.pages.ref(page)
-            seq.pages.append(page)
-        partial = size % self.page_size
-        if partial:
-            copy_kv_page(self.kv, hit.pages[shared_pages], self._allocate(seq), partial)
+        if consume:
+            self.cache.take(hit)  # its page references move to the request
+            seq.pages.extend(hit.pages)
+        else:
+            for page in hit.pages[:reused]:
+                self.pages.ref(page)
+                seq.pages.append(page)
+            partial = size % self.page_size
+            if partial:
+                copy_kv_page(self.kv, hit.pages[reused], self._allocate(seq), partial)
         self.state.copy(hit.slot, seq.slot)
+        if consume:
+            self.slots.release(hit.slot)
         seq.fed = seq.cache_n = size
         seq.last_logits, seq.last_logits_at = hit.logits, size
         return True
 
-    def _fits(self, seq: Sequence, hit: Any) -> bool:
-        """Whether ``seq``'s reservation fits free pages plus evictable checkpoints, keeping ``hit``."""
-        shared_pages = len(hit.tokens) // self.page_size if hit is not None else 0
-        fresh = pages_for(seq.reserved_tokens, self.page_size) - shared_pages
+    def _shareable_pages(self, hit: Any) -> int:
+        return len(hit.tokens) // self.page_size
+
+    def _consumable(self, hit: Any) -> bool:
+        """A checkpoint can be taken over when its partial last page (if any) is referenced by it alone."""
+        if len(hit.tokens) % self.page_size == 0:
+            return True
+        return self.pages.ref_count(hit.pages[-1]) == 1
+
+    def _fits(self, seq: Sequence, hit: Any, reused_pages: int) -> bool:
+        """Whether ``seq``'s reservation, less ``reused_pages``, fits free pages plus checkpoints other than ``hit``."""
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - reused_pages
         available = self.pages.free_count - self.promised
         return available >= fresh or available + self.cache.reclaimable_pages(keep=hit) >= fresh
 

@@ -110,6 +110,10 @@ class PrefixCache:
         self._drop(victim)
         return True
 
+    def take(self, entry: Checkpoint) -> None:
+        """Remove ``entry`` without releasing its pages or slot: the caller now owns them."""
+        self._entries.remove(entry)
+
     def clear(self) -> None:
         for entry in list(self._entries):
             self._drop(entry)
