@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import json
 import secrets
@@ -37,9 +36,9 @@ from ninfer.protocols.generation import (
     OutputUpdate,
     cancel_on_disconnect,
     cancelled_error,
-    watch_disconnect,
+    GenerationStream,
 )
-from ninfer.protocols.http import json_bytes, read_json_object, sse_frame, with_keepalive
+from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 
 PROTOCOL = "anthropic_messages"
 SIGNATURE_TAG = b"ninfer-thinking-v1\0"
@@ -215,51 +214,27 @@ def _error_frame(error: NinferError, request_id: str) -> bytes:
     return sse_frame(render_ninfer_error(error, ANTHROPIC, request_id).body, event="error")
 
 
-class MessageEventStream:
-    """The SSE body of a streamed message: frames with keep-alive, a disconnect watcher, cleanup on close."""
-
-    def __init__(self, req: Any, generation: Generation, renderer: MessageRenderer) -> None:
-        self.generation = generation
-        self.renderer = renderer
-        self._watcher = asyncio.create_task(watch_disconnect(req, generation.cancel))
-        self._frames = with_keepalive(self._produce())
-
-    def __aiter__(self) -> "MessageEventStream":
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._frames.__anext__()
-
-    async def _produce(self) -> AsyncIterator[bytes]:
-        generation, renderer = self.generation, self.renderer
-        admission = generation.admission
-        assert admission is not None
-        for event in renderer.start(admission.prompt_tokens, admission.cached_tokens):
-            yield _frame(event)
-        try:
-            async for update in generation.updates():
-                if isinstance(update, OutputUpdate):
-                    for event in renderer.assembler.feed(update.events):
-                        yield _frame(event)
-        except NinferError as error:
-            yield _error_frame(error, generation.request_id)
-            return
-        result = generation.result
-        assert result is not None
-        if result.finish_reason == "cancelled":  # client gone or server stopping: say so if anyone listens
-            yield _error_frame(cancelled_error(generation), generation.request_id)
-            return
-        for event in renderer.finish(result):
-            yield _frame(event)
-
-    async def close(self) -> None:
-        """Called by falcon when the body ends or the send fails: stop watching, cancel and release the request."""
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._watcher
-        self.generation.close()
-        with contextlib.suppress(Exception):
-            await self._frames.aclose()
+async def message_frames(generation: Generation, renderer: MessageRenderer) -> AsyncIterator[bytes]:
+    """The encoded SSE frames of a streamed message."""
+    admission = generation.admission
+    assert admission is not None
+    for event in renderer.start(admission.prompt_tokens, admission.cached_tokens):
+        yield _frame(event)
+    try:
+        async for update in generation.updates():
+            if isinstance(update, OutputUpdate):
+                for event in renderer.assembler.feed(update.events):
+                    yield _frame(event)
+    except NinferError as error:
+        yield _error_frame(error, generation.request_id)
+        return
+    result = generation.result
+    assert result is not None
+    if result.finish_reason == "cancelled":  # client gone or server stopping: say so if anyone listens
+        yield _error_frame(cancelled_error(generation), generation.request_id)
+        return
+    for event in renderer.finish(result):
+        yield _frame(event)
 
 
 def request_settings(context: Any) -> RequestSettings:
@@ -313,7 +288,7 @@ class MessagesResource:
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = MessageEventStream(req, generation, renderer)
+        resp.stream = GenerationStream(req, generation, message_frames(generation, renderer))
 
 
 class CountTokensResource:

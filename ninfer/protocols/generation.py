@@ -44,7 +44,7 @@ from ninfer.core.frontend import (
 from ninfer.core.observability import oplog
 from ninfer.core.observability.request_log import RequestObserver, cache_summary, observability_for
 from ninfer.core.records import RequestRecord
-from ninfer.protocols.http import wait_for_disconnect
+from ninfer.protocols.http import wait_for_disconnect, with_keepalive
 
 _ACTIVE_KEY = "generation.active"
 _STOPPING_KEY = "generation.stopping"
@@ -497,3 +497,30 @@ async def watch_disconnect(req: Any, on_disconnect: Callable[[], None]) -> None:
     """Call ``on_disconnect`` when the client of ``req`` (body fully read) disconnects; run it as a task."""
     await wait_for_disconnect(req)
     on_disconnect()
+
+
+class GenerationStream:
+    """The SSE body of a streamed generation, shared by every adapter.
+
+    ``frames`` are the adapter's encoded events; this adds ``: keep-alive`` comments, cancels the generation
+    when the client disconnects, and releases it when falcon closes the body (end or failed send).
+    """
+
+    def __init__(self, req: Any, generation: Generation, frames: AsyncIterator[bytes]) -> None:
+        self.generation = generation
+        self._watcher = asyncio.create_task(watch_disconnect(req, generation.cancel))
+        self._frames = with_keepalive(frames)
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._frames.__anext__()
+
+    async def close(self) -> None:
+        self._watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._watcher
+        self.generation.close()
+        with contextlib.suppress(Exception):
+            await self._frames.aclose()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import secrets
 import time
 from typing import Any, AsyncIterator
@@ -21,9 +19,9 @@ from ninfer.protocols.generation import (
     PromptProgress,
     cancel_on_disconnect,
     cancelled_error,
-    watch_disconnect,
+    GenerationStream,
 )
-from ninfer.protocols.http import json_bytes, read_json_object, sse_frame, with_keepalive
+from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 from ninfer.protocols.openai_chat_request import ChatRequest, parse_chat_request
 
 PROTOCOL = "openai_chat"
@@ -167,52 +165,28 @@ def _text_key(event: OutputEvent) -> str | None:
     return None
 
 
-class ChatEventStream:
-    """The SSE body of a streamed completion: frames with keep-alive, a disconnect watcher, cleanup on close."""
-
-    def __init__(self, req: Any, generation: Generation, renderer: ChunkRenderer) -> None:
-        self.generation = generation
-        self.renderer = renderer
-        self._watcher = asyncio.create_task(watch_disconnect(req, generation.cancel))
-        self._frames = with_keepalive(self._produce())
-
-    def __aiter__(self) -> "ChatEventStream":
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._frames.__anext__()
-
-    async def _produce(self) -> AsyncIterator[bytes]:
-        renderer = self.renderer
-        yield sse_frame(renderer.role())
-        try:
-            async for update in self.generation.updates():
-                if isinstance(update, PromptProgress):
-                    if renderer.request.return_progress:
-                        yield sse_frame(renderer.progress(update))
-                    continue
-                for chunk in renderer.deltas(update):
-                    yield sse_frame(chunk)
-        except NinferError as error:
-            yield sse_frame(render_ninfer_error(error, OPENAI, self.generation.request_id).body)
-            return
-        result = self.generation.result
-        assert result is not None
-        if result.finish_reason == "cancelled":  # the client is gone, or the server is stopping: say so if anyone listens
-            yield sse_frame(render_ninfer_error(cancelled_error(self.generation), OPENAI, self.generation.request_id).body)
-            return
-        for chunk in (*renderer.missing_arguments(result), *renderer.finish(result)):
-            yield sse_frame(chunk)
-        yield DONE_FRAME
-
-    async def close(self) -> None:
-        """Called by falcon when the body ends or the send fails: stop watching, cancel and release the request."""
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._watcher
-        self.generation.close()
-        with contextlib.suppress(Exception):
-            await self._frames.aclose()
+async def chat_frames(generation: Generation, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
+    """The encoded SSE frames of a streamed completion."""
+    yield sse_frame(renderer.role())
+    try:
+        async for update in generation.updates():
+            if isinstance(update, PromptProgress):
+                if renderer.request.return_progress:
+                    yield sse_frame(renderer.progress(update))
+                continue
+            for chunk in renderer.deltas(update):
+                yield sse_frame(chunk)
+    except NinferError as error:
+        yield sse_frame(render_ninfer_error(error, OPENAI, generation.request_id).body)
+        return
+    result = generation.result
+    assert result is not None
+    if result.finish_reason == "cancelled":  # the client is gone, or the server is stopping: say so if anyone listens
+        yield sse_frame(render_ninfer_error(cancelled_error(generation), OPENAI, generation.request_id).body)
+        return
+    for chunk in (*renderer.missing_arguments(result), *renderer.finish(result)):
+        yield sse_frame(chunk)
+    yield DONE_FRAME
 
 
 class ChatCompletionsResource:
@@ -257,7 +231,7 @@ class ChatCompletionsResource:
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = ChatEventStream(req, generation, renderer)
+        resp.stream = GenerationStream(req, generation, chat_frames(generation, renderer))
 
 
 def mount_openai_chat(app: Any, context: Any) -> None:

@@ -10,7 +10,6 @@ concatenated deltas equal the terminal Items. Terminal Responses are kept in the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import secrets
 import time
@@ -34,9 +33,9 @@ from ninfer.protocols.generation import (
     OutputUpdate,
     cancel_on_disconnect,
     cancelled_error,
-    watch_disconnect,
+    GenerationStream,
 )
-from ninfer.protocols.http import json_bytes, read_json_object, sse_frame, with_keepalive
+from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 from ninfer.protocols.openai_chat_messages import malformed, unsupported
 from ninfer.protocols.responses_request import ParentContext, ResponsesRequest, parse_responses_request
 from ninfer.protocols.responses_store import ContextSegment, ResponseStore, StoredResponse, items_size
@@ -306,27 +305,19 @@ class ResponseRun:
         _store(self.context).put(record)
 
 
-class ResponsesEventStream:
-    """The SSE body of a streamed Response: typed events with sequence numbers, keep-alive, cleanup on close."""
+class ResponseEvents:
+    """The encoded SSE frames of a streamed Response: typed events with increasing sequence numbers."""
 
-    def __init__(self, req: Any, run: ResponseRun) -> None:
+    def __init__(self, run: ResponseRun) -> None:
         self.run = run
         self.sequence = 0
-        self._watcher = asyncio.create_task(watch_disconnect(req, run.generation.cancel))
-        self._frames = with_keepalive(self._produce())
-
-    def __aiter__(self) -> "ResponsesEventStream":
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._frames.__anext__()
 
     def _frame(self, event: str, payload: Mapping[str, Any]) -> bytes:
         data = {"type": event, "sequence_number": self.sequence, **payload}
         self.sequence += 1
         return sse_frame(data, event=event)
 
-    async def _produce(self) -> AsyncIterator[bytes]:
+    async def frames(self) -> AsyncIterator[bytes]:
         run = self.run
         yield self._frame("response.created", {"response": run.snapshot("in_progress")})
         yield self._frame("response.in_progress", {"response": run.snapshot("in_progress")})
@@ -347,15 +338,6 @@ class ResponsesEventStream:
                                                                                 "message": error.message}}})
             return
         yield self._frame(f"response.{body['status']}", {"response": body})
-
-    async def close(self) -> None:
-        """Called by falcon when the body ends or the send fails: stop watching, cancel and release the request."""
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._watcher
-        self.run.generation.close()
-        with contextlib.suppress(Exception):
-            await self._frames.aclose()
 
 
 # -- resources -----------------------------------------------------------------------------------------------------
@@ -413,7 +395,7 @@ class CreateResource(_Resource):
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = ResponsesEventStream(req, run)
+        resp.stream = GenerationStream(req, run.generation, ResponseEvents(run).frames())
 
 
 class InputTokensResource(_Resource):
