@@ -12,7 +12,6 @@ import importlib
 import json
 import sys
 from collections import Counter
-from types import ModuleType
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import click
@@ -20,7 +19,7 @@ import click
 from ninfer import __version__
 from ninfer.bench import bench_command
 from ninfer.core.config import ServeConfig, option_flag, serve_options
-from ninfer.core.errors import ArtifactError, ConfigError, NinferError, NotYetAvailableError
+from ninfer.core.errors import ArtifactError, ConfigError, NinferError
 from ninfer.core.plugins import PluginManager, load_plugin_manager
 
 _ARGV_KEY = "ninfer.argv"
@@ -112,16 +111,6 @@ def main(args: Sequence[str] | None = None) -> None:
     cli.main(args=args, prog_name="ninfer")
 
 
-def _optional_module(module: str, what: str) -> ModuleType:
-    """Import a module that lands separately; its absence is a clear "not yet available" error."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        raise NotYetAvailableError(f"{what} is not yet available: module {module} is not part of this build") from None
-
-
 # -- serve -----------------------------------------------------------------------------------------
 
 
@@ -164,7 +153,7 @@ def _serve(ctx: click.Context, artifact: str | None, print_config: bool, **optio
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return
-    _optional_module("ninfer.app", "the HTTP server").serve(config, manager)
+    importlib.import_module("ninfer.app").serve(config, manager)  # lazily: keeps --help and parsing light
 
 
 cli.add_command(_serve_command())
@@ -349,7 +338,7 @@ def _format_summary(path: str, summary: Mapping[str, Any]) -> str:
 @click.pass_context
 def make_tiny(ctx: click.Context, out: str, **options: Any) -> None:
     """Write a tiny random-weight artifact of a real architecture to OUT (for tests and demos)."""
-    tiny = _optional_module("ninfer.core.tiny", "make-tiny")
+    tiny = importlib.import_module("ninfer.core.tiny")
     path = tiny.write_tiny_artifact(out, tiny.TinyOptions(**options), plugin_manager(ctx).registries)
     click.echo(f"wrote {path}")
 
@@ -379,7 +368,7 @@ class _ProgressLine:
 @click.option("--model-id", default=None, help="identity.model_id to record [default: the directory name]")
 def convert(hf_dir: str, out: str, model_id: str | None) -> None:
     """Convert a Hugging Face checkpoint directory HF_DIR into one .ninfer artifact."""
-    converter = _optional_module("ninfer.core.convert", "convert")
+    converter = importlib.import_module("ninfer.core.convert")
     progress: Callable[[int, int], None] | None = _ProgressLine() if sys.stderr.isatty() else None
     try:
         path = converter.convert_checkpoint(hf_dir, out, model_id=model_id, progress=progress)

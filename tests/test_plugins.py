@@ -9,10 +9,9 @@ import sys
 import falcon
 import falcon.asgi
 import falcon.testing
-import pluggy
 import pytest
 
-from ninfer.core.descriptors import ModelFamily, SpeculativeBackend
+from ninfer.core.descriptors import SpeculativeBackend
 from ninfer.core.errors import NotYetAvailableError, PluginError
 from ninfer.core.hookspecs import hookimpl
 from ninfer.core.plugins import PluginInfo, PluginManager, allow_list_from_env, load_plugin_manager
@@ -122,20 +121,31 @@ def test_contrib_prometheus_plugin_is_discovered_and_restricted():
         load_plugin_manager(environ={"NINFER_PLUGINS": "prometheus,not-installed"})
 
 
+def _sample(text: str, name: str) -> float:
+    """The value of the exposition line starting with ``name`` (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_contrib_prometheus_serves_metrics_through_the_adapter_hook():
     manager = load_plugin_manager(environ={"NINFER_PLUGINS": "prometheus"})
     adapter = manager.registries.protocol_adapters["prometheus_metrics"]
     app = falcon.asgi.App()
     adapter.require_mount()(app, None)
+    client = falcon.testing.TestClient(app)
+    requests = 'ninfer_requests_total{finish_reason="stop",protocol="openai_chat"}'
+    completion = 'ninfer_completion_tokens_total{protocol="openai_chat"}'
+    before = client.simulate_get("/metrics").text
     manager.hook.ninfer_request_finished(
         record=RequestRecord("openai_chat", "stop", prompt_tokens=12, cached_tokens=4, completion_tokens=7, total_seconds=0.5)
     )
-    result = falcon.testing.TestClient(app).simulate_get("/metrics")
+    result = client.simulate_get("/metrics")
     assert result.status == falcon.HTTP_200
     assert result.headers["content-type"].startswith("text/plain")
-    text = result.text
-    assert 'ninfer_requests_total{finish_reason="stop",protocol="openai_chat"}' in text
-    assert 'ninfer_completion_tokens_total{protocol="openai_chat"} 7.0' in text or "ninfer_completion_tokens_total" in text
+    assert _sample(result.text, requests) == _sample(before, requests) + 1
+    assert _sample(result.text, completion) == _sample(before, completion) + 7
 
 
 def test_plugins_list_json_cli_shows_contrib_plugin():
