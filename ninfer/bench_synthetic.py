@@ -160,8 +160,8 @@ def bench_ninfer_decode(
         replay_ms = None
         captured = runtime.decoder.captured(prompts.shape[0]) if runtime.decoder is not None else []
         if captured:
-            graph = captured[-1].graph  # the one bound to these rows' caches
-            replay_ms = clock.measure(lambda: [graph.replay() for _ in range(steps)]) / steps
+            step = captured[-1]  # the one bound to these rows' caches
+            replay_ms = clock.measure(lambda: [step.replay() for _ in range(steps)]) / steps
     return elapsed, generated, replay_ms
 
 

@@ -134,3 +134,22 @@ def test_runtime_routes_pure_decode_batches_only():
     verify = caches.batch([0], [[6]])
     verify.capture_states = True
     assert not decoder.supports(verify)
+
+
+def test_device_resident_batches_decode_like_host_batches():
+    """The engine hands over device tensors: they are staged device to device and give the same step."""
+    reference, model, fused = _runtimes("tiny")
+    runtime = Qwen35Runtime(model, None, DecodeGraphRunner(model, fused, use_graphs=CUDA, graph_segments=2))
+    caches = Caches(runtime, 2)
+    with torch.no_grad():
+        runtime.forward(caches.batch([0, 1], [[1, 2, 3], [4, 5]]), caches.kv, caches.state)
+        on_host, on_device = caches, caches.clone()
+        for step in range(3):
+            tokens = [[7 + step], [9 + step]]
+            host_batch = on_host.batch([0, 1], tokens)
+            device_batch = on_device.batch([0, 1], tokens)
+            for name in ("token_ids", "positions", "page_tables", "state_slots"):
+                setattr(device_batch, name, getattr(device_batch, name).to(DEVICE))
+            expected = runtime.forward(host_batch, on_host.kv, on_host.state).logits
+            got = runtime.forward(device_batch, on_device.kv, on_device.state).logits
+            assert rel_err(got, expected) < 1e-6, step

@@ -2,7 +2,9 @@
 
 * ``prefill_gated_delta_rule``: the chunked gated delta rule with every intra-chunk quantity (decay matrices, the
   triangular solves, the causal intra-chunk scores) computed for all chunks at once; only the state hand-over from
-  chunk to chunk stays sequential (three batched products per chunk).
+  chunk to chunk stays sequential: one Triton kernel on CUDA (``ninfer.kernels.triton.chunk_state``), three batched
+  products per chunk elsewhere (``chunk_state_pass_torch``, its twin).
+* ``prefill_causal_conv1d``: the short conv of a whole chunk in one Triton kernel on CUDA.
 * ``prefill_attention``: each row's paged KV gathered once, then ``scaled_dot_product_attention`` (flash / memory
   efficient kernels) with the causal mask offset by the row's cached tokens.
 * ``moe_feed_forward``: (token, expert) pairs sorted by expert and run as grouped GEMMs (``torch._grouped_mm`` on
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.attention import paged_attention
+from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import _prepare, chunk_gated_delta_rule
 from ninfer.kernels.moe import moe_forward, route_tokens, swiglu
 
@@ -64,25 +67,75 @@ def batched_chunk_gated_delta_rule(
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     strictly_lower = causal.clone().fill_diagonal_(False)
     a = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
-    system = a + torch.eye(size, dtype=a.dtype, device=a.device)
-    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    base_corrections, solved_k = solved[..., :value_dim].contiguous(), solved[..., value_dim:].contiguous()
+    identity = torch.eye(size, dtype=a.dtype, device=a.device)
+    # (I + A)^-1 once per chunk and head (a C-wide right-hand side instead of Dv + Dk), then two batched products
+    inverse = torch.linalg.solve_triangular(a + identity, identity.expand_as(a), upper=False, unitriangular=True)
+    base_corrections = inverse @ (beta[..., None] * v)
+    solved_k = inverse @ ((beta * cum.exp())[..., None] * k)
     scores = (q @ k.transpose(-1, -2)) * decay  # causal incl. the diagonal (decay is 0 above it)
     decayed_q = cum.exp()[..., None] * q
     last = cum[..., -1:]  # [N, BH, 1]
     decayed_k_t = ((last - cum).exp()[..., None] * k).transpose(-1, -2).contiguous()  # [N, BH, Dk, C]
     chunk_decay = last.exp()[..., None]  # [N, BH, 1, 1]
     state = state.reshape(batch * heads, key_dim, value_dim).contiguous()
+    state_pass = _triton_state_pass(q.device, size, key_dim, value_dim) or chunk_state_pass_torch
+    out, corrections, state = state_pass(decayed_q, solved_k, base_corrections, decayed_k_t, chunk_decay, state)
+    out += scores @ corrections
+    o = out.transpose(0, 1).reshape(batch, heads, chunks * size, value_dim)[:, :, :length]
+    return o.transpose(1, 2).contiguous().to(out_dtype), state.view(batch, heads, key_dim, value_dim)
+
+
+def chunk_state_pass_torch(
+    decayed_q: torch.Tensor,
+    solved_k: torch.Tensor,
+    base_corrections: torch.Tensor,
+    decayed_k_t: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequential chunk-to-chunk state hand-over, three batched products per chunk (the Triton kernel's twin).
+
+    Shapes as ``ninfer.kernels.triton.chunk_state.chunk_state_pass``; returns ``(out, corrections, final state)``.
+    """
+    chunks = decayed_q.shape[0]
     corrections = torch.empty_like(base_corrections)
-    out = torch.empty((chunks, batch * heads, size, value_dim), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(base_corrections)
+    chunk_decay = chunk_decay.reshape(chunks, -1, 1, 1)
     for n in range(chunks):
         torch.bmm(decayed_q[n], state, out=out[n])  # what the entering state contributes
         torch.baddbmm(base_corrections[n], solved_k[n], state, alpha=-1.0, out=corrections[n])
         state = torch.baddbmm(state * chunk_decay[n], decayed_k_t[n], corrections[n])
-    out += scores @ corrections
-    o = out.transpose(0, 1).reshape(batch, heads, chunks * size, value_dim)[:, :, :length]
-    return o.transpose(1, 2).contiguous().to(out_dtype), state.view(batch, heads, key_dim, value_dim)
+    return out, corrections, state
+
+
+def _triton_state_pass(device: torch.device, size: int, key_dim: int, value_dim: int):  # type: ignore[no-untyped-def]
+    """The Triton state pass when it can run on ``device`` with these sizes (powers of two >= 16), else None."""
+    from ninfer.kernels.triton import triton_available
+
+    if device.type != "cuda" or not triton_available(device):
+        return None
+    if any(n < 16 or n & (n - 1) for n in (size, key_dim, value_dim)):
+        return None
+    from ninfer.kernels.triton.chunk_state import chunk_state_pass
+
+    return chunk_state_pass
+
+
+def prefill_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU over a chunk per row: ``(y [B,T,C], new window [B,C,K-1])``.
+
+    One Triton kernel on CUDA (``ninfer.kernels.triton.conv.causal_conv1d_prefill``), the reference elsewhere.
+    """
+    from ninfer.kernels.triton import triton_available
+
+    if x.device.type == "cuda" and triton_available(x.device):
+        from ninfer.kernels.triton.conv import causal_conv1d_prefill
+
+        return causal_conv1d_prefill(x, weight, conv_state)
+    y, new_state, _ = causal_conv1d(x, weight, conv_state)
+    return y, new_state
 
 
 def prefill_gated_delta_rule(

@@ -1,7 +1,8 @@
-"""Single-step causal depthwise conv + SiLU for decode, updating each row's conv window in place.
+"""Causal depthwise conv + SiLU: a single step for decode (updating each row's conv window in place) and a whole
+prefill chunk continuing from a window.
 
-Twin: ``ninfer.kernels.conv.causal_conv1d`` with one new token per row. The window of slot ``s`` is
-``conv_cache[s] [C, K-1]``, oldest input first; after the step it holds the last K-1 inputs including the new one.
+Twin: ``ninfer.kernels.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
+first; after a step it holds the last K-1 inputs including the new one.
 """
 
 from __future__ import annotations
@@ -63,3 +64,67 @@ def causal_conv1d_update(
         x, x.stride(0), weight, conv_cache, conv_cache.stride(0), slots, out, channels, WINDOW=window, BLOCK=block
     )
     return out
+
+
+@triton.jit(do_not_specialize=["length"])
+def _conv_prefill_kernel(
+    x_ptr,
+    weight_ptr,
+    state_ptr,
+    out_ptr,
+    length,
+    channels,
+    WINDOW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    times = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chans = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_mask = chans < channels
+    in_range = (times < length)[:, None] & chan_mask[None, :]
+    x_row = x_ptr + row * length * channels
+    state_row = state_ptr + row * channels * WINDOW
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(WINDOW + 1):
+        source = times - WINDOW + j  # input time; negative times come from the window
+        from_x = in_range & (source >= 0)[:, None]
+        from_state = in_range & (source < 0)[:, None]
+        value = tl.load(x_row + source[:, None] * channels + chans[None, :], mask=from_x, other=0.0).to(tl.float32)
+        value += tl.load(
+            state_row + chans[None, :] * WINDOW + (source + WINDOW)[:, None], mask=from_state, other=0.0
+        ).to(tl.float32)
+        acc += value * tl.load(weight_ptr + chans * (WINDOW + 1) + j, mask=chan_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc * tl.sigmoid(acc)
+    out_tile = out_ptr + row * length * channels + times[:, None] * channels + chans[None, :]
+    tl.store(out_tile, y.to(out_ptr.dtype.element_ty), mask=in_range)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk per row: ``x [B, T, C]``, ``weight [C, K]``, ``conv_state [B, C, K-1]`` (the inputs before ``x``).
+
+    Returns ``(silu(conv) [B, T, C] in x.dtype, new window [B, C, K-1] in x.dtype)``; ``conv_state`` is not modified.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, C]; got {tuple(x.shape)}")
+    batch, length, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"weight must be [C={channels}, K]; got {tuple(weight.shape)}")
+    window = weight.shape[1] - 1
+    if tuple(conv_state.shape) != (batch, channels, window):
+        raise ValueError(f"conv_state must be [B, C, K-1] = {(batch, channels, window)}; got {tuple(conv_state.shape)}")
+    x, weight, conv_state = x.contiguous(), weight.contiguous(), conv_state.contiguous()
+    out = torch.empty_like(x)
+    if length:
+        block_t, block_c = 32, 128
+        grid = (batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))
+        _conv_prefill_kernel[grid](
+            x, weight, conv_state, out, length, channels, WINDOW=window, BLOCK_T=block_t, BLOCK_C=block_c
+        )
+    if length >= window:
+        new_state = x[:, length - window :].transpose(1, 2)
+    else:
+        new_state = torch.cat([conv_state[..., length:], x.transpose(1, 2).to(conv_state.dtype)], dim=-1)
+    return out, new_state.to(x.dtype).contiguous()

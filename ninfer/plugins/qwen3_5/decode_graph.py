@@ -3,7 +3,11 @@
 A decode step reads only static device buffers (token ids, MRoPE positions, cached lengths, page tables, state
 slots), so it has no host syncs and no control flow that depends on tensor values; the KV pages and state slots are
 updated in place. The first step of a batch size (and page-table width bucket) runs eagerly and serves as warm-up;
-the graph is captured right after it and replayed from then on. With graphs disabled the same kernels run eagerly.
+the step is captured right after it and replayed from then on. With graphs disabled the same kernels run eagerly.
+
+The captured step is split into ``graph_segments`` graphs of consecutive layers, launched one after the other: the
+GPU starts on the first while the host still launches the rest, so less launch latency sits between the host's
+hand-over and the first kernel (each step waits for its token on the host, so nothing else hides it).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class DecodeInputs:
         pinned = device.type == "cuda"
         self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
+        self._host_numpy = self.host_buffer.numpy()
         self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
             self.device_buffer
         )
@@ -65,33 +70,70 @@ class DecodeInputs:
         )
 
     def load(self, batch: ForwardBatch) -> None:
-        """Stage one decode batch on the host and copy it to the device in one asynchronous transfer."""
+        """Stage one decode batch and copy it to the device buffer without a host sync.
+
+        Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
+        one asynchronous transfer; fields already on the device are copied device to device after it.
+        """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the staging buffer
-        token_ids, positions, context_lens, state_slots, page_tables = self._views(self.host_buffer)
-        token_ids.copy_(batch.token_ids)
-        positions.copy_(batch.positions)
-        context_lens.copy_(torch.as_tensor(list(batch.context_lens)))
-        state_slots.copy_(batch.state_slots)
-        page_tables[:, : batch.page_tables.shape[1]].copy_(batch.page_tables)
+        rows, width = self.rows, batch.page_tables.shape[1]
+        staged = self._host_numpy
+        staged[4 * rows : 5 * rows] = batch.context_lens
+        on_device = []
+        fields = (
+            (batch.token_ids, staged[:rows], self.token_ids),
+            (batch.positions, staged[rows : 4 * rows].reshape(3, rows), self.positions),
+            (batch.state_slots, staged[5 * rows : 6 * rows], self.state_slots),
+            (batch.page_tables, staged[6 * rows :].reshape(rows, self.width)[:, :width], self.page_tables[:, :width]),
+        )
+        for source, host_view, device_view in fields:
+            if source.device.type == "cpu":
+                host_view[...] = source.numpy()
+            else:
+                on_device.append((device_view, source))
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        for device_view, source in on_device:
+            device_view.copy_(source)
 
 
 @attrs.define
 class CapturedStep:
-    graph: torch.cuda.CUDAGraph
+    """One captured decode step: its graphs (layer segments, launched in order) and static inputs/outputs."""
+
+    graphs: list[torch.cuda.CUDAGraph]
     inputs: DecodeInputs
     hidden: torch.Tensor
     logits: torch.Tensor
+
+    def replay(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
+
+
+@attrs.define
+class StepCarry:
+    """What flows from one layer segment to the next: the residual stream and the pending block output."""
+
+    hidden: torch.Tensor
+    pending: torch.Tensor | None
+    slot_mapping: torch.Tensor
+    total_lens: torch.Tensor
 
 
 class DecodeGraphRunner:
     """Runs pure-decode batches of a CUDA-resident ``Qwen35Model`` whose input projections are fused."""
 
     def __init__(
-        self, model: Qwen35Model, fused: Sequence[FusedProjections], *, use_graphs: bool = True, max_batch: int = 64
+        self,
+        model: Qwen35Model,
+        fused: Sequence[FusedProjections],
+        *,
+        use_graphs: bool = True,
+        max_batch: int = 64,
+        graph_segments: int = 4,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -102,6 +144,9 @@ class DecodeGraphRunner:
         self.fused = tuple(fused)
         self.use_graphs = use_graphs
         self.max_batch = max_batch
+        if graph_segments < 1:
+            raise ValueError(f"graph_segments must be >= 1, got {graph_segments}")
+        self.graph_segments = min(graph_segments, len(model.layers))
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -121,7 +166,7 @@ class DecodeGraphRunner:
         captured = self._graphs.get(key) if self.use_graphs else None
         if captured is not None:
             captured.inputs.load(batch)
-            captured.graph.replay()
+            captured.replay()
             hidden, logits = captured.hidden, captured.logits.clone()
             hidden = hidden.clone() if batch.return_hidden else None
         else:
@@ -142,32 +187,64 @@ class DecodeGraphRunner:
         return [step for key, step in self._graphs.items() if key[0] == rows]
 
     def _capture(self, rows: int, width: int, kv: KVCache, state: StateCache) -> CapturedStep:
-        """Record one step over fresh static buffers (capturing executes nothing, so no cache is touched)."""
+        """Record one step over fresh static buffers (capturing executes nothing, so no cache is touched).
+
+        The segments share one memory pool and are captured in launch order, so each one's live outputs (the carry)
+        stay valid for the next.
+        """
         inputs = DecodeInputs(rows, width, self.model.device)
         torch.cuda.synchronize(self.model.device)  # the eager warm-up step has finished
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden, logits = self.step(inputs, kv, state)
-        return CapturedStep(graph=graph, inputs=inputs, hidden=hidden, logits=logits)
+        bounds = self._segment_bounds()
+        graphs: list[torch.cuda.CUDAGraph] = []
+        carry: StepCarry | None = None
+        for index, (start, stop) in enumerate(bounds):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                if carry is None:
+                    carry = self._prologue(inputs, kv)
+                carry = self._layers(carry, inputs, kv, state, start, stop)
+                if index == len(bounds) - 1:
+                    hidden, logits = self._epilogue(carry)
+            graphs.append(graph)
+        return CapturedStep(graphs=graphs, inputs=inputs, hidden=hidden, logits=logits)
+
+    def _segment_bounds(self) -> list[tuple[int, int]]:
+        count, segments = len(self.model.layers), self.graph_segments
+        edges = [round(i * count / segments) for i in range(segments + 1)]
+        return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
     def step(self, inputs: DecodeInputs, kv: KVCache, state: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and fp32 logits."""
-        model, config = self.model, self.config
+        carry = self._layers(self._prologue(inputs, kv), inputs, kv, state, 0, len(self.model.layers))
+        return self._epilogue(carry)
+
+    def _prologue(self, inputs: DecodeInputs, kv: KVCache) -> StepCarry:
         page_size = kv.page_size
-        hidden = F.embedding(inputs.token_ids, model.embed_tokens)
         context = inputs.context_lens
         pages = inputs.page_tables.gather(1, (context // page_size)[:, None]).squeeze(1)
-        slot_mapping = pages * page_size + context % page_size
-        total_lens = inputs.context_lens + 1
-        pending: torch.Tensor | None = None  # the previous block's output, not yet added to the residual stream
-        attention_index = recurrent_index = 0
-        for layer, fused, kind in zip(model.layers, self.fused, config.layer_types):
+        return StepCarry(
+            hidden=F.embedding(inputs.token_ids, self.model.embed_tokens),
+            pending=None,  # the previous block's output, not yet added to the residual stream
+            slot_mapping=pages * page_size + context % page_size,
+            total_lens=context + 1,
+        )
+
+    def _layers(
+        self, carry: StepCarry, inputs: DecodeInputs, kv: KVCache, state: StateCache, start: int, stop: int
+    ) -> StepCarry:
+        """Layers ``[start, stop)`` of the trunk."""
+        model, config = self.model, self.config
+        kinds = config.layer_types
+        attention_index = sum(1 for kind in kinds[:start] if kind == FULL_ATTENTION)
+        recurrent_index = start - attention_index
+        hidden, pending = carry.hidden, carry.pending
+        for layer, fused, kind in zip(model.layers[start:stop], self.fused[start:stop], kinds[start:stop]):
             hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
             if kind == FULL_ATTENTION:
                 pending = self._attention(
-                    layer.mixer, fused, normed, inputs, slot_mapping, total_lens,  # type: ignore[arg-type]
+                    layer.mixer, fused, normed, inputs, carry.slot_mapping, carry.total_lens,  # type: ignore[arg-type]
                     kv.key[attention_index], kv.value[attention_index],
                 )
                 attention_index += 1
@@ -179,8 +256,11 @@ class DecodeGraphRunner:
                 recurrent_index += 1
             hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
             pending = self._feed_forward(layer, fused, normed)
-        _, final = self._add_norm(pending, hidden, model.norm)
-        return final, model.logits(final)
+        return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
+
+    def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
+        _, final = self._add_norm(carry.pending, carry.hidden, self.model.norm)
+        return final, self.model.logits(final)
 
     def _add_norm(
         self, pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor

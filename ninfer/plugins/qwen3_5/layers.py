@@ -19,7 +19,12 @@ from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
 from ninfer.kernels.moe import swiglu
 from ninfer.kernels.norms import gated_rms_norm, rms_norm
-from ninfer.kernels.prefill import moe_feed_forward, prefill_attention, prefill_gated_delta_rule
+from ninfer.kernels.prefill import (
+    moe_feed_forward,
+    prefill_attention,
+    prefill_causal_conv1d,
+    prefill_gated_delta_rule,
+)
 from ninfer.kernels.rope import apply_rotary
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 
@@ -155,9 +160,12 @@ def gated_deltanet(
         index, slots = group.token_index, group.slots
         batch, length = index.shape
         use_recurrent = capture is not None or length <= RECURRENT_MAX_TOKENS
-        conv_out, conv_state, conv_states = causal_conv1d(
-            mixed[index], weights.conv_weight, conv_cache[slots], output_states=capture is not None
-        )
+        if capture is None:
+            conv_out, conv_state = prefill_causal_conv1d(mixed[index], weights.conv_weight, conv_cache[slots])
+        else:
+            conv_out, conv_state, conv_states = causal_conv1d(
+                mixed[index], weights.conv_weight, conv_cache[slots], output_states=True
+            )
         q, k, v = torch.split(conv_out, [key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(batch, length, heads_k, config.linear_key_head_dim)
         k = k.reshape(batch, length, heads_k, config.linear_key_head_dim)

@@ -98,7 +98,7 @@ class Qwen35Runtime:
         rows = batch.num_rows
         if tuple(batch.state_slots.shape) != (rows,):
             raise ForwardBatchError(f"state_slots must be [{rows}]; got {tuple(batch.state_slots.shape)}")
-        slots = batch.state_slots.tolist()
+        slots, low, high = _slots_and_token_range(batch.state_slots, batch.token_ids)
         if len(set(slots)) != rows or min(slots) < 0 or max(slots) >= state.num_slots:
             raise ForwardBatchError(f"state_slots {slots} must be distinct slots in [0, {state.num_slots})")
         if len(kv.key) != len(self.spec.attention_layers) or len(state.ssm) != len(self.spec.recurrent_layers):
@@ -106,9 +106,19 @@ class Qwen35Runtime:
                 f"caches have {len(kv.key)} KV layers and {len(state.ssm)} state layers; this model needs "
                 f"{len(self.spec.attention_layers)} and {len(self.spec.recurrent_layers)}"
             )
-        low, high = int(batch.token_ids.min()), int(batch.token_ids.max())
         if low < 0 or high >= self.config.vocab_size:
             raise ForwardBatchError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")
+
+
+def _slots_and_token_range(slots: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[int], int, int]:
+    """The state slots and the lowest and highest token id, with one host transfer when both are on the device."""
+    if slots.device == token_ids.device and slots.device.type != "cpu":
+        low, high = token_ids.aminmax()
+        values = torch.cat([slots.long(), low[None].long(), high[None].long()])
+        *host_slots, low, high = values.tolist()
+        return host_slots, low, high
+    low, high = token_ids.aminmax()
+    return slots.tolist(), int(low), int(high)
 
 
 def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
