@@ -122,7 +122,8 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
 
 def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_log: "RequestLogWriter | None") -> None:
     from ninfer.core.engine import EngineConfig
-    from ninfer.core.engine.loader import artifact_tokenizer, build_engine
+    from ninfer.core.engine.loader import artifact_tokenizer, build_drafter, build_engine
+    from ninfer.core.engine.speculative import SpeculativeConfig
     from ninfer.protocols.generation import close_generation_resources
     from ninfer.protocols.runner import listening_socket, make_server
     from ninfer.protocols.server_app import ServerContext, build_app
@@ -147,7 +148,12 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
         )
         try:
             tokenizer = artifact_tokenizer(artifact)
-            engine = build_engine(artifact, runtime, EngineConfig.from_serve_config(config), tokenizer)
+            speculative = None
+            if config.spec is not None:
+                assert config.draft_tokens is not None  # the option checks require it with --spec
+                speculative = SpeculativeConfig(config.spec, config.draft_tokens, config.lm_head_draft)
+            drafter = build_drafter(artifact, runtime, speculative, registries)
+            engine = build_engine(artifact, runtime, EngineConfig.from_serve_config(config), tokenizer, drafter)
             frontend = family.require("build_frontend")(artifact, config, tokenizer)
             context = ServerContext(
                 config=config,

@@ -120,6 +120,9 @@ def synthetic_prompts(rng: random.Random, count: int, length: int, vocab_limit: 
 @click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="auto", show_default=True, help="weight dtype")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the synthetic prompts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--spec", default=None, metavar="NAME", help="speculative backend (mtp); needs --draft-tokens")
+@click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="draft tokens per speculative round")
+@click.option("--lm-head-draft", is_flag=True, help="draft with the reduced (frequency-ranked) proposal head")
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -137,6 +140,9 @@ def bench_command(
     dtype: str,
     seed: int,
     as_json: bool,
+    spec: str | None,
+    draft_tokens: int | None,
+    lm_head_draft: bool,
 ) -> None:
     """Offline benchmark: prefill and decode throughput, TTFT and inter-token latency percentiles."""
     if synthetic is not None:
@@ -175,8 +181,16 @@ def bench_command(
         kv_capacity=tokens_per_request * concurrency,
         prefix_reuse=False,
     )
+    if (spec is None) != (draft_tokens is None) or (lm_head_draft and spec is None):
+        raise click.UsageError("--spec and --draft-tokens go together (--lm-head-draft needs both)")
+    from ninfer.core.engine.speculative import SpeculativeConfig
+
+    speculative = SpeculativeConfig(spec, draft_tokens, lm_head_draft) if spec is not None and draft_tokens else None
     try:
-        loaded = load_engine(artifact, config, load_options=LoadOptions(device=device, dtype=dtype, cuda_graphs=not no_cuda_graph))
+        loaded = load_engine(
+            artifact, config, load_options=LoadOptions(device=device, dtype=dtype, cuda_graphs=not no_cuda_graph),
+            speculative=speculative,
+        )
     except NinferError as exc:
         raise click.ClickException(exc.message) from None
     try:

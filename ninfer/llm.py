@@ -15,6 +15,7 @@ import attrs
 
 from ninfer.core.engine import EngineConfig, GenerationRequest, RequestHandle, SamplingParams, StopMatch, Usage
 from ninfer.core.engine.loader import LoadedModel, load_engine
+from ninfer.core.engine.speculative import SpeculativeConfig
 from ninfer.core.engine.sampler import SAMPLER_FIELDS
 from ninfer.core.engine.timings import RequestTimings
 from ninfer.core.errors import InvalidRequestError
@@ -49,11 +50,20 @@ class LLM:
     """A model loaded with its own resident Engine. ``engine_options`` are :class:`EngineConfig` fields."""
 
     def __init__(
-        self, model: str | os.PathLike[str], *, device: str | None = None, dtype: str = "auto", **engine_options: Any
+        self,
+        model: str | os.PathLike[str],
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        speculative: SpeculativeConfig | None = None,
+        **engine_options: Any,
     ) -> None:
         config = EngineConfig(**{**OFFLINE_DEFAULTS, **engine_options})
         self._loaded: LoadedModel = load_engine(
-            model, config, load_options=LoadOptions(device=device or _default_device(), dtype=dtype)
+            model,
+            config,
+            load_options=LoadOptions(device=device or _default_device(), dtype=dtype),
+            speculative=speculative,
         )
 
     @property

@@ -1,9 +1,17 @@
-"""Built-in speculative-decoding backends: MTP, DFlash and DFlash2 (drafters land with the speculation issue)."""
+"""Built-in speculative-decoding backends: MTP (available), DFlash and DFlash2 (drafters not yet available)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ninfer.core.descriptors import SpeculativeBackend
 from ninfer.core.hookspecs import hookimpl
+
+
+def _build_mtp_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
+    from ninfer.plugins.qwen3_5.mtp_drafter import build_mtp_drafter
+
+    return build_mtp_drafter(runtime, artifact, config)
 
 
 @hookimpl
@@ -15,6 +23,7 @@ def ninfer_speculative_backends() -> list[SpeculativeBackend]:
             max_draft_tokens=5,
             companion_prefix="mtp.",
             description="the checkpoint's own multi-token-prediction layer, chained k times",
+            build_drafter=_build_mtp_drafter,
         ),
         SpeculativeBackend(
             name="dflash",

@@ -23,12 +23,15 @@ from ninfer.core.engine.request import (
     Usage,
 )
 from ninfer.core.engine.sampler import resolve_sampling
-from ninfer.core.engine.timings import RequestTimings
+from ninfer.core.engine.speculative import Draft, Drafter, SpeculativeConfig
+from ninfer.core.engine.timings import RequestTimings, SpeculativeCounters
 
 __all__ = [
     "AdmittedEvent",
     "AdmissionTicket",
     "BudgetClose",
+    "Draft",
+    "Drafter",
     "Engine",
     "EngineConfig",
     "EngineStats",
@@ -41,6 +44,8 @@ __all__ = [
     "RequestHandle",
     "RequestTimings",
     "SamplingParams",
+    "SpeculativeConfig",
+    "SpeculativeCounters",
     "StopMatch",
     "THINKING_BUDGET_CODE",
     "TokensEvent",

@@ -17,6 +17,8 @@ from ninfer.core.engine.pages import pages_for
 from ninfer.core.engine.request import GenerationRequest, SamplingParams
 from ninfer.core.engine.sampler import RowSampler, fresh_seed, resolve_sampling
 from ninfer.core.engine.sequence import Sequence
+from ninfer.core.engine.speculative import Drafter, drafter_memory
+from ninfer.core.engine.timings import SpeculativeCounters
 from ninfer.core.engine.stops import OutputText
 from ninfer.core.errors import CapacityError, InvalidRequestError
 from ninfer.core.runtime import ModelRuntime
@@ -50,6 +52,7 @@ class Engine:
         *,
         tokenizer: Any | None = None,
         eos_token_ids: Iterable[int] = (),
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.runtime = runtime
@@ -60,8 +63,13 @@ class Engine:
         self._admission = AdmissionController(
             self.config.max_concurrency, self.config.max_pending_requests, self.config.pending_timeout_ms
         )
-        self._memory = EngineMemory(self.spec, self.config)
-        self._executor = Executor(runtime, self.config, self._memory, self.vocab_limit, self._admission.close)
+        self._memory = EngineMemory(
+            self.spec, self.config, None if drafter is None else drafter_memory(drafter, self.spec, self.config)
+        )
+        self.drafter = drafter
+        self._executor = Executor(
+            runtime, self.config, self._memory, self.vocab_limit, self._admission.close, drafter
+        )
         self._ids = itertools.count(1)
         self._executor.start()
 
@@ -149,6 +157,7 @@ class Engine:
             stop_ids |= self.eos_token_ids
         assert params.seed is not None
         handle = RequestHandle(request_id, ticket, self._executor.wake)
+        drafter = self.drafter
         return Sequence(
             request_id=request_id,
             request=request,
@@ -160,6 +169,7 @@ class Engine:
             max_output=max_output,
             tokens=list(prompt),
             prompt_len=len(prompt),
+            speculative=None if drafter is None else SpeculativeCounters(drafter.backend, drafter.draft_tokens),
         )
 
     def _detokenizer(self) -> Any | None:

@@ -15,8 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
+from ninfer.core.engine.batching import build_batch
 from ninfer.core.engine.commit import Finish, commit_sampled
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.memory import EngineMemory
@@ -24,6 +23,7 @@ from ninfer.core.engine.request import AdmittedEvent, ProgressEvent
 from ninfer.core.engine.sampler import sample_tokens
 from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
+from ninfer.core.engine.speculative import Drafter, SpeculativeRound
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.runtime import ForwardBatch, ModelRuntime
 
@@ -54,6 +54,7 @@ class Executor:
         memory: EngineMemory,
         vocab_limit: int | None,
         on_failure: Callable[[str], None],
+        drafter: Drafter | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config
@@ -68,6 +69,13 @@ class Executor:
         self._post_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine-executor", daemon=True)
         self.failure: str | None = None
+        self.drafter = drafter
+        self._speculative: SpeculativeRound | None = None
+        if drafter is not None:
+            memory.companions.extend(drafter.bind(memory.num_pages, memory.page_size))
+            self._speculative = SpeculativeRound(
+                runtime, drafter, memory.kv, memory.state, memory.ensure_pages, vocab_limit
+            )
 
     # -- other threads -----------------------------------------------------------------------------
 
@@ -187,15 +195,26 @@ class Executor:
         count = min(self.config.prefill_chunk, seq.prompt_len - start)
         last = start + count == seq.prompt_len
         self.memory.ensure_pages(seq, start + count)
-        batch = self._batch([seq], [seq.tokens[start : start + count]], logits="last" if last else "none")
+        drafter = self.drafter
+        if drafter is None:
+            batch = self._batch([seq], [seq.tokens[start : start + count]], logits="last" if last else "none")
+        else:  # the drafter needs every prompt position's hidden state; logits come from the last one
+            batch = self._batch([seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True)
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
+        if drafter is not None and output.hidden is not None:
+            drafter.observe(seq, start, output.hidden)
         seq.fed = start + count
         now = time.monotonic()
         self._progress(seq, now)
         if not last:
             return
         seq.prompt_done_at = now
-        seq.last_logits, seq.last_logits_at = output.logits[0], seq.fed
+        if drafter is None:
+            seq.last_logits = output.logits[0]
+        else:
+            assert output.hidden is not None, "the runtime returned no hidden states for a drafting prefill"
+            seq.last_logits = drafter.target_logits(output.hidden[-1:])[0]
+        seq.last_logits_at = seq.fed
         if self.config.prefix_reuse:
             self.memory.capture_prompt(seq)
         self._after_prompt(seq, now)
@@ -216,6 +235,10 @@ class Executor:
 
     def _decode(self, step: DecodeStep) -> None:
         rows = list(step.rows)
+        if self._speculative is not None:
+            for seq, finish in self._speculative.run(rows, time.monotonic):
+                self._finish(seq, finish, time.monotonic())
+            return
         feeds = [seq.tokens[seq.fed :] for seq in rows]
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens))
@@ -230,26 +253,8 @@ class Executor:
             if finish is not None:
                 self._finish(seq, finish, now)
 
-    def _batch(self, rows: list[Sequence], feeds: list[list[int]], logits: str) -> ForwardBatch:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for seq, feed in zip(rows, feeds):
-            token_ids.extend(feed)
-            positions.extend(range(seq.fed, seq.fed + len(feed)))
-        width = max(len(seq.pages) for seq in rows)
-        table = torch.zeros((len(rows), width), dtype=torch.int32)
-        for index, seq in enumerate(rows):
-            table[index, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-        device = self._device
-        return ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0).expand(3, -1).contiguous(),
-            query_lens=[len(feed) for feed in feeds],
-            context_lens=[seq.fed for seq in rows],
-            page_tables=table.to(device),
-            state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64, device=device),
-            logits=logits,  # type: ignore[arg-type]
-        )
+    def _batch(self, rows: list[Sequence], feeds: list[list[int]], logits: str, **flags: Any) -> ForwardBatch:
+        return build_batch(rows, feeds, self._device, logits, **flags)
 
     # -- endings -----------------------------------------------------------------------------------
 
@@ -263,6 +268,8 @@ class Executor:
     def _finish(self, seq: Sequence, finish: Finish, now: float) -> None:
         """Leave the batch, free (or checkpoint) memory, then publish the outcome."""
         self.scheduler.remove(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         self.memory.release(seq, checkpoint=self.config.prefix_reuse)
         seq.handle.finish(seq.outcome(finish.reason, finish.stop, now))
 

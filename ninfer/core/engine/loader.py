@@ -11,6 +11,8 @@ from ninfer.core.artifact import TOKENIZER_RESOURCE, Manifest, open_model_source
 from ninfer.core.descriptors import ModelFamily
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.engine import Engine
+from ninfer.core.engine.speculative import Drafter, SpeculativeConfig
+from ninfer.core.errors import ConfigError
 from ninfer.core.plugins import Registries
 from ninfer.core.runtime import LoadOptions
 
@@ -32,10 +34,30 @@ def artifact_tokenizer(artifact: Any) -> Any:
     return Tokenizer.from_json(artifact.resource_text(TOKENIZER_RESOURCE))
 
 
-def build_engine(artifact: Any, runtime: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
+def build_drafter(
+    artifact: Any, runtime: Any, speculative: SpeculativeConfig | None, registries: Registries
+) -> Drafter | None:
+    """The ``--spec`` backend's drafter for ``runtime`` (None without speculation)."""
+    if speculative is None:
+        return None
+    backend = registries.speculative_backend(speculative.backend)
+    backend.validate_draft_tokens(speculative.draft_tokens)
+    if speculative.lm_head_draft and not backend.supports_lm_head_draft:
+        raise ConfigError(
+            f"--lm-head-draft cannot be combined with --spec {backend.name}: it drafts with the full LM head",
+            param="lm_head_draft",
+        )
+    return backend.require_drafter()(runtime, artifact, speculative)
+
+
+def build_engine(
+    artifact: Any, runtime: Any, config: EngineConfig, tokenizer: Any | None = None, drafter: Drafter | None = None
+) -> Engine:
     """An Engine over an already loaded runtime, with the artifact's tokenizer and stop ids."""
     tokenizer = tokenizer if tokenizer is not None else artifact_tokenizer(artifact)
-    return Engine(runtime, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest))
+    return Engine(
+        runtime, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest), drafter=drafter
+    )
 
 
 @attrs.define
@@ -59,8 +81,12 @@ def load_engine(
     *,
     load_options: LoadOptions | None = None,
     registries: Registries | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> LoadedModel:
-    """Open ``source`` (a .ninfer file, a Hugging Face directory or an opened artifact), load it, start an Engine."""
+    """Open ``source`` (a .ninfer file, a Hugging Face directory or an opened artifact), load it, start an Engine.
+
+    ``speculative`` selects a speculative backend (``--spec``) and its draft window.
+    """
     if registries is None:
         from ninfer.core.plugins import load_plugin_manager
 
@@ -70,7 +96,8 @@ def load_engine(
         family = registries.family_for(artifact.manifest)
         runtime = family.require("load_runtime")(artifact, load_options or LoadOptions())
         tokenizer = artifact_tokenizer(artifact)
-        engine = build_engine(artifact, runtime, config, tokenizer)
+        drafter = build_drafter(artifact, runtime, speculative, registries)
+        engine = build_engine(artifact, runtime, config, tokenizer, drafter)
     except BaseException:
         if isinstance(source, (str, os.PathLike)):
             artifact.close()

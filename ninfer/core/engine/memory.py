@@ -21,23 +21,38 @@ from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 
 
-def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec) -> int:
-    """The KV pool size in tokens: explicit, or ``auto`` (CUDA: free memory less 1 GiB; CPU: C * max_context)."""
+def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: DrafterMemory | None = None) -> int:
+    """The KV pool size in tokens: explicit, or ``auto`` (CUDA: free memory less 1 GiB; CPU: C * max_context).
+
+    With a drafter, ``auto`` also leaves its transient bytes free and counts its KV bytes per pool token.
+    """
     if config.kv_capacity != AUTO:
         return int(config.kv_capacity)
     if spec.device.type != "cuda":
         return config.max_context * config.max_concurrency
     free_bytes, _total = torch.cuda.mem_get_info(spec.device)
     per_token = spec.kv_bytes_per_token()
-    tokens = int((free_bytes - AUTO_HEADROOM_BYTES) // per_token) if per_token > 0 else config.max_context
+    headroom = AUTO_HEADROOM_BYTES
+    if drafter is not None:
+        per_token += drafter.kv_bytes_per_token
+        headroom += drafter.transient_bytes
+    tokens = int((free_bytes - headroom) // per_token) if per_token > 0 else config.max_context
     if tokens < config.max_context:
         raise ConfigError(
             f"--kv-capacity auto: only {max(tokens, 0)} KV tokens fit in the free device memory "
-            f"({free_bytes / 2**30:.1f} GiB free, {AUTO_HEADROOM_BYTES / 2**30:.0f} GiB headroom, "
+            f"({free_bytes / 2**30:.1f} GiB free, {headroom / 2**30:.1f} GiB headroom, "
             f"{per_token:.0f} bytes per token), fewer than --max-context {config.max_context}",
             param="kv_capacity",
         )
     return tokens
+
+
+@attrs.frozen
+class DrafterMemory:
+    """What a speculative drafter adds: KV bytes per pool token and transient bytes of one verify round."""
+
+    kv_bytes_per_token: float
+    transient_bytes: int
 
 
 @attrs.frozen
@@ -58,17 +73,18 @@ class MemoryStats:
 class EngineMemory:
     """Owns the KV and state tensors and decides which page/slot belongs to whom."""
 
-    def __init__(self, spec: RuntimeSpec, config: EngineConfig) -> None:
+    def __init__(self, spec: RuntimeSpec, config: EngineConfig, drafter: DrafterMemory | None = None) -> None:
         self.page_size = config.page_size
         num_slots = config.max_concurrency + config.checkpoint_slots
         self.state = StateCache.allocate(spec, num_slots)
-        self.kv_capacity_tokens = resolve_kv_capacity(config, spec)
+        self.kv_capacity_tokens = resolve_kv_capacity(config, spec, drafter)
         num_pages = pages_for(self.kv_capacity_tokens, self.page_size)
         self.kv = KVCache.allocate(spec, num_pages, self.page_size)
         self.pages = PagePool(num_pages)
         self.slots = SlotPool(num_slots)
         self.cache = PrefixCache(config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state)
         self.promised = 0
+        self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
 
     @property
     def num_pages(self) -> int:
@@ -126,7 +142,9 @@ class EngineMemory:
                 seq.pages.append(page)
             partial = size % self.page_size
             if partial:
-                copy_kv_page(self.kv, hit.pages[reused], self._allocate(seq), partial)
+                source, target = hit.pages[reused], self._allocate(seq)
+                for kv in (self.kv, *self.companions):
+                    copy_kv_page(kv, source, target, partial)
         self.state.copy(hit.slot, seq.slot)
         if consume:
             self.slots.release(hit.slot)

@@ -7,7 +7,7 @@ from typing import Any, Literal, Sequence
 
 import attrs
 
-from ninfer.core.engine.timings import RequestTimings
+from ninfer.core.engine.timings import RequestTimings, SpeculativeCounters
 from ninfer.core.errors import InvalidRequestError
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -165,6 +165,7 @@ class GenerationOutcome:
     seed: int | None
     sampling: SamplingParams
     timings: RequestTimings
+    speculative: SpeculativeCounters | None = None  # with --spec: the request's drafting counters
 
     @property
     def completion_tokens(self) -> int:

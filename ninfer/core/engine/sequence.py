@@ -12,7 +12,7 @@ from ninfer.core.engine.handle import RequestHandle
 from ninfer.core.engine.request import FinishReason, GenerationOutcome, GenerationRequest, StopMatch
 from ninfer.core.engine.sampler import RowSampler
 from ninfer.core.engine.stops import OutputText
-from ninfer.core.engine.timings import RequestTimings
+from ninfer.core.engine.timings import RequestTimings, SpeculativeCounters
 
 Phase = Literal["waiting", "prefilling", "decoding", "finished"]
 
@@ -52,6 +52,7 @@ class Sequence:
     prompt_done_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    speculative: SpeculativeCounters | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -67,6 +68,8 @@ class Sequence:
         return self.tokens[: self.prompt_len]
 
     def timings(self, finished_at: float | None = None) -> RequestTimings:
+        drafted = self.speculative.drafted_tokens if self.speculative is not None else 0
+        terminal_drafts = finished_at is not None and drafted > 0
         return RequestTimings(
             submitted_at=self.ticket.created_at,
             admitted_at=self.admitted_at,
@@ -77,6 +80,8 @@ class Sequence:
             cache_n=self.cache_n,
             prompt_n=self.prompt_len - self.cache_n if self.admitted_at is not None else 0,
             predicted_n=self.output_count,
+            draft_n=drafted if terminal_drafts else None,
+            draft_n_accepted=self.speculative.accepted_tokens if terminal_drafts and self.speculative else None,
         )
 
     def outcome(self, reason: FinishReason, stop: StopMatch | None, finished_at: float) -> GenerationOutcome:
@@ -92,4 +97,5 @@ class Sequence:
             seed=self.sampler.seed,
             sampling=self.sampler.params,
             timings=self.timings(finished_at),
+            speculative=self.speculative,
         )

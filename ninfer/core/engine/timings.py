@@ -33,6 +33,8 @@ class RequestTimings:
     cache_n: int = 0
     prompt_n: int = 0
     predicted_n: int = 0
+    draft_n: int | None = None  # speculative: drafted tokens (terminal snapshot only, when drafting occurred)
+    draft_n_accepted: int | None = None
 
     @property
     def queue_wait_s(self) -> float:
@@ -77,4 +79,38 @@ class RequestTimings:
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_per_token_ms,
             "predicted_per_second": predicted_per_second,
+            **({} if self.draft_n is None else {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}),
+        }
+
+
+@attrs.define
+class SpeculativeCounters:
+    """One request's speculative-decoding counters (the request log's ``speculative`` object).
+
+    A round drafts tokens for the row and verifies them; a fallback step is a decode step of a speculating
+    engine in which the row drafted nothing (drafter not ready, control tokens pending, output limit near).
+    ``accepted_per_position[i]`` counts rounds whose draft ``i`` (0-based) was accepted.
+    """
+
+    backend: str
+    draft_window: int
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    fallback_steps: int = 0
+    accepted_per_position: list[int] = attrs.field(factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.draft_window
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "draft_window": self.draft_window,
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "fallback_steps": self.fallback_steps,
+            "accepted_per_position": list(self.accepted_per_position),
         }

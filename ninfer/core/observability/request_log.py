@@ -335,16 +335,18 @@ def request_done_fields(
             "prefill": timings.prompt_s,
             "decode": timings.decode_s,
             "total": timings.total_s,
-            "speculative": None if spec is None else _speculative_unavailable(spec),
+            "speculative": _speculative_fields(outcome, spec),
         },
         "engine_timing": engine_timing_fields(timings, submitted_at),
     }
 
 
-def _speculative_unavailable(spec: str) -> dict[str, Any]:  # pragma: no cover -- startup refuses --spec today
-    from ninfer.core.errors import NotYetAvailableError
-
-    raise NotYetAvailableError(f"speculative counters for --spec {spec} are not yet available")
+def _speculative_fields(outcome: Any, spec: str | None) -> dict[str, Any] | None:
+    """The request's speculative counters (null without ``--spec``)."""
+    counters = getattr(outcome, "speculative", None)
+    if spec is None or counters is None:
+        return None
+    return counters.to_dict()
 
 
 def request_error_fields(configuration: dict[str, Any] | None, error: NinferError) -> dict[str, Any]:

@@ -1,0 +1,251 @@
+"""The backend-neutral speculative round: draft, verify in one target forward, accept losslessly, roll back.
+
+One round over the decode batch:
+
+1. Each row that can speculate (its drafter state is ready, exactly one committed token is pending, and at least
+   two more output tokens are allowed) gets ``k_row = min(k, allowance - 1)`` draft tokens from the drafter; the
+   other rows take a plain decode step in the same traversal (a *fallback step*).
+2. ONE target forward verifies every row: the pending token plus its drafts, ``logits="all"``, with the
+   recurrent state captured after every new token and the final hidden states returned for the drafter.
+3. Per row, position by position, the target distribution the plain sampler would draw from (penalties with the
+   tokens committed so far, temperature, top-k/p, min-p) decides each draft (``acceptance.decide``); each
+   resulting token is committed through the normal commit path, so stop tokens, stop strings, output limits and
+   budget-close inserts end or cut the run exactly where plain decoding would.
+4. Rollback: the row is fed up to its last verified token that was committed (the longest prefix of drafts that
+   equals the committed tokens). The recurrent state (SSM and conv window) is restored from the per-position
+   capture of that token; target KV beyond it is simply overwritten later (the context length is ``fed``); the
+   drafter is told which hidden states became committed and drops its own speculative state.
+
+Rollback uses ``capture_states`` rather than replay: it costs one forward, no recompute, and transient memory of
+``(k+1) x rows`` state copies per Gated-DeltaNet layer, freed after the round.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence as Seq
+
+import attrs
+import torch
+
+from ninfer.core.engine.acceptance import TargetDistribution, decide, sample_target
+from ninfer.core.engine.batching import build_batch
+from ninfer.core.engine.commit import Finish, commit_sampled
+from ninfer.core.engine.config import EngineConfig
+from ninfer.core.engine.memory import DrafterMemory
+from ninfer.core.engine.sampler import RowSampler, candidate_distribution, penalized_logits
+from ninfer.core.engine.sequence import Sequence
+from ninfer.core.runtime import CapturedStates, KVCache, ModelRuntime, RuntimeSpec, StateCache
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """The startup-frozen speculative selection: backend name, draft window, reduced proposal head."""
+
+    backend: str
+    draft_tokens: int
+    lm_head_draft: bool = False
+
+
+@attrs.frozen
+class Draft:
+    """A row's proposed tokens; ``proposals[i]`` is the ``[V]`` distribution token i was drawn from, or None
+    for a deterministic (one-hot) proposal."""
+
+    tokens: tuple[int, ...]
+    proposals: tuple[torch.Tensor, ...] | None = None
+
+
+class Drafter(Protocol):
+    """What a speculative backend's ``build_drafter`` returns; driven only by the executor thread."""
+
+    backend: str
+    draft_tokens: int
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of the drafter's own paged state per pool token (sizes ``--kv-capacity auto``)."""
+        ...
+
+    def bind(self, num_pages: int, page_size: int) -> list[KVCache]:
+        """Allocate the drafter's paged state for the engine's pool; returns caches that share its page ids."""
+        ...
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's fp32 next-token logits for final-normed hidden states ``[N, H]``."""
+        ...
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The target committed positions ``[start, start + len(hidden))`` of ``seq`` with these hidden states."""
+        ...
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can be drafted for now (its state reaches ``seq.fed``)."""
+        ...
+
+    def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
+        """``counts[i]`` draft tokens following ``rows[i].tokens`` (which end with one unfed token)."""
+        ...
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left the engine: drop its state."""
+        ...
+
+
+def drafter_memory(drafter: Drafter, spec: RuntimeSpec, config: EngineConfig) -> DrafterMemory:
+    """The drafter's KV per token, and one full verify round's transient bytes: the per-token state captures,
+    the all-position fp32 logits and the hidden states of ``(k + 1) x max_concurrency`` tokens."""
+    tokens = (drafter.draft_tokens + 1) * config.max_concurrency
+    per_token = spec.state_image_bytes() + spec.vocab_size * 4 + spec.hidden_size * spec.dtype.itemsize
+    return DrafterMemory(float(drafter.kv_bytes_per_token), tokens * per_token)
+
+
+def target_distribution(logits: torch.Tensor, sampler: RowSampler, vocab_limit: int | None) -> TargetDistribution:
+    """The distribution the plain sampler would draw from after ``logits`` (``[V]``), with current penalties."""
+    if vocab_limit is not None and vocab_limit < logits.shape[0]:
+        logits = logits[:vocab_limit]
+    penalized = penalized_logits(logits[None, :], [sampler])
+    if sampler.greedy:
+        return TargetDistribution(argmax=int(penalized[0].argmax()))
+    probs, ids = candidate_distribution(penalized, [sampler])
+    return TargetDistribution(probs=probs[0].to("cpu", torch.float64), ids=ids[0].to("cpu"))
+
+
+@attrs.frozen
+class _RowPlan:
+    seq: Sequence
+    offset: int  # flat index of the row's first new token in the verify batch
+    pending: int  # committed tokens not yet fed (fed first)
+    draft: Draft
+
+
+class SpeculativeRound:
+    """Runs decode rounds with a drafter over the engine's pools (the executor thread only)."""
+
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        drafter: Drafter,
+        kv: KVCache,
+        state: StateCache,
+        ensure_pages: Callable[[Sequence, int], None],
+        vocab_limit: int | None,
+    ) -> None:
+        self.runtime = runtime
+        self.drafter = drafter
+        self.kv = kv
+        self.state = state
+        self.ensure_pages = ensure_pages
+        self.vocab_limit = vocab_limit
+        self.device = runtime.spec.device
+
+    def draft_count(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` drafts this round (0: a fallback step)."""
+        allowance = seq.max_output - seq.output_count
+        if len(seq.tokens) - seq.fed != 1 or allowance < 2 or not self.drafter.ready(seq):
+            return 0
+        return min(self.drafter.draft_tokens, allowance - 1)
+
+    def run(self, rows: Seq[Sequence], clock: Callable[[], float]) -> list[tuple[Sequence, Finish]]:
+        """One round over the decode batch; returns the rows that finished, with how (the caller releases them)."""
+        counts = [self.draft_count(seq) for seq in rows]
+        for seq, count in zip(rows, counts):
+            self.ensure_pages(seq, len(seq.tokens) + count)
+        drafting = [index for index, count in enumerate(counts) if count > 0]
+        drafts = [Draft(())] * len(rows)
+        if drafting:
+            made = self.drafter.draft([rows[i] for i in drafting], [counts[i] for i in drafting])
+            for index, draft in zip(drafting, made):
+                drafts[index] = draft
+        plans, feeds, offset = [], [], 0
+        for seq, draft in zip(rows, drafts):
+            feed = [*seq.tokens[seq.fed :], *draft.tokens]
+            plans.append(_RowPlan(seq, offset, len(seq.tokens) - seq.fed, draft))
+            feeds.append(feed)
+            offset += len(feed)
+        batch = build_batch(rows, feeds, self.device, "all", capture_states=True, return_hidden=True)
+        output = self.runtime.forward(batch, self.kv, self.state)
+        assert output.logits is not None and output.states is not None
+        finished = []
+        now = clock()
+        limited = output.logits[:, : self.vocab_limit] if self.vocab_limit is not None else output.logits
+        argmax = limited.argmax(dim=-1).tolist()  # one device sync for every unpenalized greedy position
+        for plan in plans:
+            finish = self._settle(plan, output.logits, argmax, output.hidden, output.states, now)
+            if finish is not None:
+                finished.append((plan.seq, finish))
+        return finished
+
+    def _settle(
+        self,
+        plan: _RowPlan,
+        logits: torch.Tensor,
+        argmax: list[int],
+        hidden: torch.Tensor | None,
+        states: CapturedStates,
+        now: float,
+    ) -> Finish | None:
+        """Accept, commit and roll back one row; returns how it finishes (None: it continues)."""
+        seq, drafted = plan.seq, plan.draft.tokens
+        base = plan.offset + plan.pending - 1  # flat index of the logits after the last pending token
+        old_fed = seq.fed
+        accepted = 0
+        finish: Finish | None = None
+        for position in range(len(drafted) + 1):
+            if seq.sampler.greedy and seq.sampler.penalty is None:
+                target = TargetDistribution(argmax=argmax[base + position])
+            else:
+                target = target_distribution(logits[base + position], seq.sampler, self.vocab_limit)
+            if position < len(drafted):
+                proposal = plan.draft.proposals[position] if plan.draft.proposals is not None else None
+                verdict = decide(target, drafted[position], seq.sampler.generator, proposal)
+                token, ok = verdict.token, verdict.accepted
+            else:
+                token, ok = sample_target(target, seq.sampler.generator), False
+            length = len(seq.tokens)
+            finish = commit_sampled(seq, token, now)
+            if ok:
+                accepted += 1
+                self._count_accept(seq, position)
+            if finish is not None or not ok or len(seq.tokens) != length + 1:
+                break
+        verified = self._verified_prefix(seq, old_fed + plan.pending, drafted)
+        last = base + verified  # flat index of the last committed token that was fed
+        seq.fed = old_fed + plan.pending + verified
+        seq.last_logits, seq.last_logits_at = logits[last], seq.fed
+        if last != plan.offset + plan.pending + len(drafted) - 1:
+            self._restore_state(seq, states, last)
+        if hidden is not None:
+            self.drafter.observe(seq, old_fed, hidden[plan.offset : last + 1])
+        self._count_round(seq, len(drafted), accepted)
+        return finish
+
+    @staticmethod
+    def _verified_prefix(seq: Sequence, start: int, drafted: tuple[int, ...]) -> int:
+        """How many drafts (fed in the verify pass) equal the tokens now committed after ``start``."""
+        count = 0
+        while count < len(drafted) and start + count < len(seq.tokens) and seq.tokens[start + count] == drafted[count]:
+            count += 1
+        return count
+
+    def _restore_state(self, seq: Sequence, states: CapturedStates, index: int) -> None:
+        assert seq.slot is not None
+        for cache, captured in ((self.state.conv, states.conv), (self.state.ssm, states.ssm)):
+            for layer, tensor in zip(cache, captured):
+                layer[seq.slot].copy_(tensor[index])
+
+    @staticmethod
+    def _count_accept(seq: Sequence, position: int) -> None:
+        if seq.speculative is not None:
+            seq.speculative.accepted_per_position[position] += 1
+
+    @staticmethod
+    def _count_round(seq: Sequence, drafted: int, accepted: int) -> None:
+        counters = seq.speculative
+        if counters is None:
+            return
+        if drafted == 0:
+            counters.fallback_steps += 1
+            return
+        counters.rounds += 1
+        counters.drafted_tokens += drafted
+        counters.accepted_tokens += accepted

@@ -1,0 +1,189 @@
+"""The MTP drafter: the checkpoint's ``mtp.*`` layer chained k times, with its own paged KV.
+
+MTP position ``p`` combines the trunk's final-normed hidden state at ``p`` with the token at ``p + 1``, so the
+drafter's KV lags the trunk by one position. Per sequence it keeps the trunk hidden states of committed
+positions whose MTP KV is not written yet (``tail``, covering ``[tail_start, seq.fed)``). A round's first MTP
+step writes that tail (its tokens are already committed) and predicts draft 1 from the last position; steps
+2..k chain the MTP's own output hidden state with the previous draft, EAGLE-style. Those chained entries sit at
+positions the next round rewrites from true trunk hidden states, so rollback is just the trunk's report of which
+positions were committed (:meth:`observe`).
+
+The KV uses the engine's page ids (one attention layer, same page count and size): a prefix checkpoint's pages
+therefore also carry the MTP KV of its tokens. After a checkpoint hit the hidden state of the checkpoint's last
+position is unknown, so that one MTP entry is skipped (attention still sees the rest); acceptance may dip,
+outputs cannot change.
+
+``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary: the first ``REDUCED_VOCAB`` rows of the
+lm_head (byte-level BPE ids are assigned in merge order, so lower ids are more frequent). Verification always
+uses the full head, so outputs are unchanged; only acceptance can drop (a token outside the subset is never
+proposed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ninfer.core.engine.batching import page_table, text_positions
+from ninfer.core.engine.sequence import Sequence
+from ninfer.core.engine.speculative import Draft, SpeculativeConfig
+from ninfer.core.errors import ConfigError
+from ninfer.core.runtime import KVCache
+from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
+
+#: Rows of the lm_head kept by ``--lm-head-draft`` (FR-Spec's main setting).
+REDUCED_VOCAB = 32768
+#: Tail length above which committed positions are written to the MTP KV right away (long prefills).
+_EAGER_WRITE = 64
+
+
+@attrs.define
+class _RowState:
+    tail_start: int
+    tail: torch.Tensor | None = None  # [n, H] trunk hidden states of positions tail_start..tail_start+n-1
+
+    @property
+    def end(self) -> int:
+        return self.tail_start + (0 if self.tail is None else self.tail.shape[0])
+
+
+class MTPDrafter:
+    """Drafts with ``runtime.mtp``; argmax proposals (one-hot), so T>0 acceptance draws once per token."""
+
+    backend = "mtp"
+
+    def __init__(self, runtime: Qwen35Runtime, draft_tokens: int, lm_head_draft: bool = False) -> None:
+        if runtime.mtp is None:
+            raise ConfigError(
+                "--spec mtp needs the checkpoint's multi-token-prediction weights (mtp.*), and this artifact has "
+                "none; convert a checkpoint that ships them or omit --spec",
+                param="spec",
+            )
+        self.runtime = runtime
+        self.mtp = runtime.mtp
+        self.draft_tokens = draft_tokens
+        model = runtime.model
+        self._head = model.lm_head[: min(REDUCED_VOCAB, model.lm_head.shape[0])] if lm_head_draft else model.lm_head
+        self._kv: KVCache | None = None
+        self._rows: dict[int, _RowState] = {}
+
+    # -- engine hooks ----------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.mtp.spec.kv_bytes_per_token()
+
+    def bind(self, num_pages: int, page_size: int) -> list[KVCache]:
+        self._kv = KVCache.allocate(self.mtp.spec, num_pages, page_size)
+        return [self._kv]
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runtime.model.logits(hidden)
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        state = self._rows.get(id(seq))
+        if state is None or state.end != start:
+            state = self._rows[id(seq)] = _RowState(start)
+        hidden = hidden.detach()
+        state.tail = hidden.clone() if state.tail is None else torch.cat([state.tail, hidden])
+        if state.tail.shape[0] > _EAGER_WRITE:
+            self._write_tail([seq], [state], keep_last=True)
+
+    def ready(self, seq: Sequence) -> bool:
+        state = self._rows.get(id(seq))
+        return state is not None and state.tail is not None and state.end == seq.fed
+
+    def forget(self, seq: Sequence) -> None:
+        self._rows.pop(id(seq), None)
+
+    def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
+        states = [self._rows[id(seq)] for seq in rows]
+        logits, hidden = self._write_tail(rows, states, keep_last=False)
+        tokens = [[int(token)] for token in logits.argmax(dim=-1).tolist()]
+        for step in range(1, max(counts)):
+            active = [index for index, count in enumerate(counts) if count > step]
+            chained = [rows[index] for index in active]
+            positions = [chained_seq.fed + step - 1 for chained_seq in chained]
+            logits, out = self._step(
+                chained,
+                [tokens[index][-1] for index in active],
+                hidden[active],
+                positions,
+                [1] * len(active),
+                positions,
+                step,
+            )
+            for row, token in zip(active, logits.argmax(dim=-1).tolist()):
+                tokens[row].append(int(token))
+            hidden = hidden.clone()
+            hidden[active] = out
+        return [Draft(tuple(row_tokens[:count])) for row_tokens, count in zip(tokens, counts)]
+
+    # -- MTP forwards ----------------------------------------------------------------------------------
+
+    def _write_tail(
+        self, rows: Seq[Sequence], states: Seq[_RowState], *, keep_last: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's tail into the MTP KV (all of it, or all but its last position with ``keep_last``).
+
+        Returns the draft-1 logits and MTP hidden state of each row's last written position.
+        """
+        hiddens, token_ids, positions, lengths, starts = [], [], [], [], []
+        for seq, state in zip(rows, states):
+            assert state.tail is not None
+            count = state.tail.shape[0] - (1 if keep_last else 0)
+            hiddens.append(state.tail[:count])
+            token_ids.extend(seq.tokens[state.tail_start + 1 : state.tail_start + 1 + count])
+            positions.extend(range(state.tail_start, state.tail_start + count))
+            lengths.append(count)
+            starts.append(state.tail_start)
+        logits, hidden = self._step(rows, token_ids, torch.cat(hiddens), positions, lengths, starts, 0)
+        for state, count in zip(states, lengths):
+            assert state.tail is not None
+            rest = state.tail[count:]
+            state.tail_start += count
+            state.tail = rest if rest.shape[0] > 0 else None
+        return logits, hidden
+
+    def _step(
+        self,
+        rows: Seq[Sequence],
+        token_ids: list[int],
+        hidden: torch.Tensor,
+        positions: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP forward; returns the proposal logits and MTP hidden state at each row's last query token."""
+        assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
+        device = self.runtime.model.device
+        _, out = self.mtp.forward(
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            hidden,
+            text_positions(positions, device),
+            query_lens,
+            context_lens,
+            page_table(rows, device),
+            self._kv,
+            logits="none",
+            step=step,
+        )
+        last = torch.tensor(query_lens, device=out.device).cumsum(0) - 1
+        selected = out[last]
+        return F.linear(selected, self._head).float(), selected
+
+
+def build_mtp_drafter(runtime: Any, artifact: Any, config: SpeculativeConfig) -> MTPDrafter:
+    """``SpeculativeBackend.build_drafter`` for ``--spec mtp``."""
+    mtp = getattr(runtime, "mtp", None) if isinstance(runtime, Qwen35Runtime) else None
+    if mtp is None:
+        raise ConfigError(
+            f"--spec mtp needs multi-token-prediction weights (mtp.*), and {artifact.manifest.identity.model_id} "
+            "carries none; use an artifact converted with its MTP layer or omit --spec",
+            param="spec",
+        )
+    return MTPDrafter(runtime, config.draft_tokens, config.lm_head_draft)
