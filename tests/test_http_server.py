@@ -103,14 +103,15 @@ class LiveServer:
 
 
 def start_servers(
-    tmp_dir: Path, specs: Sequence[tuple[Path, Sequence[str], dict[str, str]]], model_ids: Sequence[str]
+    tmp_dir: Path, specs: Sequence[tuple[Path | None, Sequence[str], dict[str, str]]], model_ids: Sequence[str]
 ) -> list[LiveServer]:
     """Start one server per ``(artifact, extra args, extra env)`` concurrently and wait until all are healthy."""
     servers = []
     for index, ((artifact, args, env), model_id) in enumerate(zip(specs, model_ids)):
         port = free_port()
         log_path = tmp_dir / f"server-{port}-{index}.log"
-        command = [sys.executable, "-c", "from ninfer.cli import main; main()", "serve", str(artifact),
+        source = [] if artifact is None else [str(artifact)]  # None: the built-in demo model
+        command = [sys.executable, "-c", "from ninfer.cli import main; main()", "serve", *source,
                    "--host", "127.0.0.1", "--port", str(port), *args]
         with open(log_path, "w", encoding="utf-8") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
