@@ -24,6 +24,7 @@ from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope
 from ninfer.kernels.triton.conv import causal_conv1d_update
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
+from ninfer.kernels.triton.moe_fused import fused_moe_decode
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
@@ -134,6 +135,7 @@ class DecodeGraphRunner:
         use_graphs: bool = True,
         max_batch: int = 64,
         graph_segments: int = 4,
+        fused_moe: bool = False,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -147,6 +149,9 @@ class DecodeGraphRunner:
         if graph_segments < 1:
             raise ValueError(f"graph_segments must be >= 1, got {graph_segments}")
         self.graph_segments = min(graph_segments, len(model.layers))
+        # MoE block as two Triton launches (``fused_moe_decode``) instead of routing, expert GEMVs, SiLU·mul and
+        # combine apart; off by default: on the H200 it was not faster at batch 1 (docs/performance.md, round 3)
+        self.fused_moe = fused_moe
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -325,8 +330,15 @@ class DecodeGraphRunner:
         top_k = self.config.num_experts_per_tok
         num_experts, shared_inner = moe_widths(mlp)
         entry = F.linear(normed, fused.ffn_in)
+        shared_gate_up = entry[:, num_experts : num_experts + 2 * shared_inner]
+        if self.fused_moe:
+            return fused_moe_decode(
+                normed, entry[:, :num_experts], mlp.gate_up, mlp.down, top_k,  # type: ignore[arg-type]
+                shared_gate_up=shared_gate_up, shared_down=mlp.shared_down,
+                shared_gate_logit=entry[:, num_experts + 2 * shared_inner :],
+            )
         weights, experts = route_top_k(entry[:, :num_experts], top_k)  # type: ignore[arg-type]
-        shared = F.linear(silu_mul(entry[:, num_experts : num_experts + 2 * shared_inner]), mlp.shared_down)
+        shared = F.linear(silu_mul(shared_gate_up), mlp.shared_down)
         activated = silu_mul(expert_gemv(normed, mlp.gate_up, experts, pairs_per_x=top_k))  # type: ignore[arg-type]
         expert_out = expert_gemv(activated, mlp.down, experts, pairs_per_x=1)
         return combine_experts(expert_out, weights, shared, entry[:, num_experts + 2 * shared_inner :])
