@@ -366,12 +366,17 @@ class _ProgressLine:
 @click.argument("hf_dir")
 @click.option("-o", "--output", "out", required=True, help="the .ninfer file to write")
 @click.option("--model-id", default=None, help="identity.model_id to record [default: the directory name]")
-def convert(hf_dir: str, out: str, model_id: str | None) -> None:
+@click.option("--dflash", "dflash_dir", default=None, metavar="DIR",
+              help="a DFlash drafter directory whose weights to carry along (dflash.*)")
+@click.option("--dflash2", "dflash2_dir", default=None, metavar="DIR",
+              help="a DFlash2 drafter directory whose weights to carry along (dflash2.*)")
+def convert(hf_dir: str, out: str, model_id: str | None, dflash_dir: str | None, dflash2_dir: str | None) -> None:
     """Convert a Hugging Face checkpoint directory HF_DIR into one .ninfer artifact."""
     converter = importlib.import_module("ninfer.core.convert")
     progress: Callable[[int, int], None] | None = _ProgressLine() if sys.stderr.isatty() else None
+    drafters = {name: path for name, path in (("dflash", dflash_dir), ("dflash2", dflash2_dir)) if path}
     try:
-        path = converter.convert_checkpoint(hf_dir, out, model_id=model_id, progress=progress)
+        path = converter.convert_checkpoint(hf_dir, out, model_id=model_id, progress=progress, drafters=drafters)
     finally:
         if isinstance(progress, _ProgressLine):
             progress.finish()

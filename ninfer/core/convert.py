@@ -35,24 +35,40 @@ def convert_checkpoint(
     *,
     model_id: str | None = None,
     progress: Progress | None = None,
+    drafters: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> Path:
     """Validate the checkpoint in ``hf_dir``, then write it to ``out_path`` as a .ninfer file; returns the path.
 
-    ``progress(done_bytes, total_bytes)`` is called as tensor data is written.
+    ``progress(done_bytes, total_bytes)`` is called as tensor data is written. ``drafters`` maps a companion name
+    (``"dflash"``) to a drafter directory whose tensors and config are carried along (``dflash.*``).
     """
+    from ninfer.core.dflash_companion import DrafterDirectory
+
     out = Path(out_path)
+    opened: list[DrafterDirectory] = []
     with open_hf_directory(hf_dir, model_id=model_id) as checkpoint:
-        _check_output_path(out, checkpoint)
-        check_weights(checkpoint)
-        resources = {name: checkpoint.resource(name) for name in checkpoint.resource_names}
-        stream = _ShardStream(checkpoint, progress)
         try:
-            write_artifact(out, checkpoint.manifest, stream.entries(), resources)
-        except OSError as exc:
-            raise ArtifactError(f"{out}: cannot write the artifact ({exc.strerror or exc})") from None
+            _check_output_path(out, checkpoint)
+            check_weights(checkpoint)
+            manifest = checkpoint.manifest
+            for name, path in (drafters or {}).items():
+                drafter = DrafterDirectory(path, name)
+                opened.append(drafter)
+                drafter.check_target(manifest)
+                manifest = drafter.manifest_with_companion(manifest)
+            resources = {name: checkpoint.resource(name) for name in checkpoint.resource_names}
+            stream = _ShardStream(checkpoint, progress)
+            entries = stream.entries() + [entry for drafter in opened for entry in drafter.entries()]
+            try:
+                write_artifact(out, manifest, entries, resources)
+            except OSError as exc:
+                raise ArtifactError(f"{out}: cannot write the artifact ({exc.strerror or exc})") from None
+            finally:
+                stream.close()
+            stream.finish()
         finally:
-            stream.close()
-        stream.finish()
+            for drafter in opened:
+                drafter.close()
     return out
 
 

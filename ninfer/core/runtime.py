@@ -143,6 +143,7 @@ class ForwardBatch:
     logits: Literal["last", "all", "none"] = "last"
     capture_states: bool = False  # also return the recurrent state after every new token (verify)
     return_hidden: bool = False  # also return final-normed hidden states (MTP drafting)
+    capture_layers: tuple[int, ...] = ()  # also return these decoder layers' outputs per token (DFlash drafting)
 
     @property
     def num_rows(self) -> int:
@@ -159,11 +160,16 @@ class CapturedStates:
 
 @attrs.define
 class ForwardOutput:
-    """``logits`` (fp32) and ``hidden`` are ``[R, ...]`` for ``"last"`` and ``[T, ...]`` for ``"all"``."""
+    """``logits`` (fp32) and ``hidden`` are ``[R, ...]`` for ``"last"`` and ``[T, ...]`` for ``"all"``.
+
+    ``layer_hidden`` is ``[T, K*H]`` whatever ``logits`` is: the outputs (residual stream, before any norm) of the
+    ``capture_layers`` decoder layers for every new token, concatenated in ``capture_layers`` order.
+    """
 
     logits: torch.Tensor | None
     hidden: torch.Tensor | None = None
     states: CapturedStates | None = None
+    layer_hidden: torch.Tensor | None = None
 
 
 @attrs.frozen

@@ -56,13 +56,12 @@ def write_tiny_artifact(out: str | os.PathLike[str], options: TinyOptions, regis
         from ninfer.core.errors import ConfigError
 
         raise ConfigError(f"unknown model family {options.family!r}; choose one of: {', '.join(registries.model_families)}")
-    for companion in ("dflash", "dflash2"):
-        if getattr(options, companion):
-            raise NotYetAvailableError(
-                f"--{companion} companion weights are not yet available: the {companion} drafter has not been implemented"
-            )
+    if options.dflash2:
+        raise NotYetAvailableError(
+            "--dflash2 companion weights are not yet available: the dflash2 drafter has not been implemented"
+        )
     tiny = family.require("make_tiny")(options)
-    companions = ("mtp",) if options.mtp else ()
+    companions = tuple(name for name in ("mtp", "dflash") if getattr(options, name))
     manifest = Manifest(
         identity=Identity(options.model_id),
         architecture=tiny.architecture,

@@ -1,4 +1,4 @@
-"""Built-in speculative-decoding backends: MTP (available), DFlash and DFlash2 (drafters not yet available)."""
+"""Built-in speculative-decoding backends: MTP and DFlash (available), DFlash2 (drafter not yet available)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ def _build_mtp_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
     from ninfer.plugins.qwen3_5.mtp_drafter import build_mtp_drafter
 
     return build_mtp_drafter(runtime, artifact, config)
+
+
+def _build_dflash_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
+    from ninfer.plugins.qwen3_5.dflash_drafter import build_dflash_drafter
+
+    return build_dflash_drafter(runtime, artifact, config)
 
 
 @hookimpl
@@ -31,6 +37,7 @@ def ninfer_speculative_backends() -> list[SpeculativeBackend]:
             max_draft_tokens=15,
             companion_prefix="dflash.",
             description="block-diffusion drafter conditioned on target hidden states (companion weights)",
+            build_drafter=_build_dflash_drafter,
         ),
         SpeculativeBackend(
             name="dflash2",

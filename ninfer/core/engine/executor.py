@@ -23,7 +23,7 @@ from ninfer.core.engine.request import AdmittedEvent, ProgressEvent
 from ninfer.core.engine.sampler import sample_tokens
 from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
-from ninfer.core.engine.speculative import Drafter, SpeculativeRound
+from ninfer.core.engine.speculative import Drafter, SpeculativeRound, capture_layers, observed_features
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.runtime import ForwardBatch, ModelRuntime
 
@@ -199,10 +199,14 @@ class Executor:
         if drafter is None:
             batch = self._batch([seq], [seq.tokens[start : start + count]], logits="last" if last else "none")
         else:  # the drafter needs every prompt position's hidden state; logits come from the last one
-            batch = self._batch([seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True)
+            batch = self._batch(
+                [seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True,
+                capture_layers=capture_layers(drafter),
+            )
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
-        if drafter is not None and output.hidden is not None:
-            drafter.observe(seq, start, output.hidden)
+        features = None if drafter is None else observed_features(drafter, output)
+        if drafter is not None and features is not None:
+            drafter.observe(seq, start, features)
         seq.fed = start + count
         now = time.monotonic()
         self._progress(seq, now)

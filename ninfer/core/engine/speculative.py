@@ -34,7 +34,7 @@ from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.memory import DrafterMemory
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.core.engine.sequence import Sequence
-from ninfer.core.runtime import CapturedStates, KVCache, ModelRuntime, RuntimeSpec, StateCache
+from ninfer.core.runtime import CapturedStates, ForwardOutput, KVCache, ModelRuntime, RuntimeSpec, StateCache
 
 
 @attrs.frozen
@@ -56,7 +56,11 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What a speculative backend's ``build_drafter`` returns; driven only by the executor thread."""
+    """What a speculative backend's ``build_drafter`` returns; driven only by the executor thread.
+
+    ``capture_layers`` (optional, default none): target decoder layers whose outputs the drafter conditions on;
+    when set, :meth:`observe` receives those (``ForwardOutput.layer_hidden``) instead of the final hidden states.
+    """
 
     backend: str
     draft_tokens: int
@@ -89,6 +93,16 @@ class Drafter(Protocol):
     def forget(self, seq: Sequence) -> None:
         """``seq`` left the engine: drop its state."""
         ...
+
+
+def capture_layers(drafter: Drafter) -> tuple[int, ...]:
+    """The target layers ``drafter`` conditions on (none: it observes final-normed hidden states)."""
+    return tuple(getattr(drafter, "capture_layers", ()))
+
+
+def observed_features(drafter: Drafter, output: ForwardOutput) -> torch.Tensor | None:
+    """What ``drafter.observe`` receives from a target forward: captured layer outputs or final hidden states."""
+    return output.layer_hidden if capture_layers(drafter) else output.hidden
 
 
 def drafter_memory(drafter: Drafter, spec: RuntimeSpec, config: EngineConfig) -> DrafterMemory:
@@ -162,15 +176,19 @@ class SpeculativeRound:
             plans.append(_RowPlan(seq, offset, len(seq.tokens) - seq.fed, draft))
             feeds.append(feed)
             offset += len(feed)
-        batch = build_batch(rows, feeds, self.device, "all", capture_states=True, return_hidden=True)
+        batch = build_batch(
+            rows, feeds, self.device, "all", capture_states=True, return_hidden=True,
+            capture_layers=capture_layers(self.drafter),
+        )
         output = self.runtime.forward(batch, self.kv, self.state)
         assert output.logits is not None and output.states is not None
         finished = []
         now = clock()
         limited = output.logits[:, : self.vocab_limit] if self.vocab_limit is not None else output.logits
         argmax = limited.argmax(dim=-1).tolist()  # one device sync for every unpenalized greedy position
+        features = observed_features(self.drafter, output)
         for plan in plans:
-            finish = self._settle(plan, output.logits, argmax, output.hidden, output.states, now)
+            finish = self._settle(plan, output.logits, argmax, features, output.states, now)
             if finish is not None:
                 finished.append((plan.seq, finish))
         return finished

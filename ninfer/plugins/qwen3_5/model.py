@@ -226,15 +226,19 @@ class Qwen35Model:
         kv: KVCache,
         state: StateCache,
         capture_states: bool,
+        layer_outputs: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, CapturedStates | None]:
-        """All decoder layers over the flat batch; returns final-normed hidden ``[T, H]`` and captured states."""
+        """All decoder layers over the flat batch; returns final-normed hidden ``[T, H]`` and captured states.
+
+        ``layer_outputs``: for each layer index already a key, the layer's output ``[T, H]`` is stored under it.
+        """
         config = self.config
         hidden = self.embed(token_ids)
         tokens = hidden.shape[0]
         rotary = self.rotary(positions)
         captured = CapturedStates(conv=[], ssm=[]) if capture_states else None
         attention_index = recurrent_index = 0
-        for weights, kind in zip(self.layers, config.layer_types):
+        for layer_index, (weights, kind) in enumerate(zip(self.layers, config.layer_types)):
             normed = rms_norm(hidden, weights.input_layernorm, config.rms_norm_eps, zero_centered=True)
             if kind == FULL_ATTENTION:
                 mixed = full_attention(
@@ -262,4 +266,6 @@ class Qwen35Model:
                 )
                 recurrent_index += 1
             hidden = finish_layer(weights, config, hidden, mixed)
+            if layer_outputs is not None and layer_index in layer_outputs:
+                layer_outputs[layer_index] = hidden
         return self.final_norm(hidden), captured

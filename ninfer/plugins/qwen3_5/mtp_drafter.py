@@ -13,10 +13,7 @@ therefore also carry the MTP KV of its tokens. After a checkpoint hit the hidden
 position is unknown, so that one MTP entry is skipped (attention still sees the rest); acceptance may dip,
 outputs cannot change.
 
-``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary: the first ``REDUCED_VOCAB`` rows of the
-lm_head (byte-level BPE ids are assigned in merge order, so lower ids are more frequent). Verification always
-uses the full head, so outputs are unchanged; only acceptance can drop (a token outside the subset is never
-proposed).
+``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary (:mod:`ninfer.plugins.qwen3_5.draft_head`).
 """
 
 from __future__ import annotations
@@ -32,10 +29,9 @@ from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache
+from ninfer.plugins.qwen3_5.draft_head import draft_head
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
 
-#: Rows of the lm_head kept by ``--lm-head-draft`` (FR-Spec's main setting).
-REDUCED_VOCAB = 32768
 #: Tail length above which committed positions are written to the MTP KV right away (long prefills).
 _EAGER_WRITE = 64
 
@@ -54,6 +50,7 @@ class MTPDrafter:
     """Drafts with ``runtime.mtp``; argmax proposals (one-hot), so T>0 acceptance draws once per token."""
 
     backend = "mtp"
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, runtime: Qwen35Runtime, draft_tokens: int, lm_head_draft: bool = False) -> None:
         if runtime.mtp is None:
@@ -65,8 +62,7 @@ class MTPDrafter:
         self.runtime = runtime
         self.mtp = runtime.mtp
         self.draft_tokens = draft_tokens
-        model = runtime.model
-        self._head = model.lm_head[: min(REDUCED_VOCAB, model.lm_head.shape[0])] if lm_head_draft else model.lm_head
+        self._head = draft_head(runtime.model, lm_head_draft)
         self._kv: KVCache | None = None
         self._rows: dict[int, _RowState] = {}
 

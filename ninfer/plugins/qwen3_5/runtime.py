@@ -72,19 +72,25 @@ class Qwen35Runtime:
         ``capture_states`` is set.
         """
         self._check(batch, kv, state)
-        if self.decoder is not None and self.decoder.supports(batch):
+        if self.decoder is not None and not batch.capture_layers and self.decoder.supports(batch):
             return self.decoder.forward(batch, kv, state)
         device = self.model.device
         layout = BatchLayout.build(
             batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device
         )
+        layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
             hidden, captured = self.model.run(
-                batch.token_ids, batch.positions, layout, kv, state, batch.capture_states
+                batch.token_ids, batch.positions, layout, kv, state, batch.capture_states, layer_outputs
             )
             selected = hidden[layout.last_token_index] if batch.logits == "last" else hidden
             logits = None if batch.logits == "none" else self.model.logits(selected)
-        return ForwardOutput(logits=logits, hidden=selected if batch.return_hidden else None, states=captured)
+        layer_hidden = None
+        if layer_outputs is not None:
+            layer_hidden = torch.cat([layer_outputs[index] for index in batch.capture_layers], dim=-1)
+        return ForwardOutput(
+            logits=logits, hidden=selected if batch.return_hidden else None, states=captured, layer_hidden=layer_hidden
+        )
 
     def _check(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> None:
         if batch.logits not in ("last", "all", "none"):
@@ -105,6 +111,12 @@ class Qwen35Runtime:
             raise ForwardBatchError(
                 f"caches have {len(kv.key)} KV layers and {len(state.ssm)} state layers; this model needs "
                 f"{len(self.spec.attention_layers)} and {len(self.spec.recurrent_layers)}"
+            )
+        bad_layers = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad_layers or len(set(batch.capture_layers)) != len(batch.capture_layers):
+            raise ForwardBatchError(
+                f"capture_layers {list(batch.capture_layers)} must be distinct decoder layers in "
+                f"[0, {self.config.num_hidden_layers})"
             )
         if low < 0 or high >= self.config.vocab_size:
             raise ForwardBatchError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")

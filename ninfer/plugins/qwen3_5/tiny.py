@@ -1,8 +1,10 @@
-"""Tiny random-weight Qwen3.5 checkpoints of the real architecture (dense or MoE, optional MTP) for tests and demos.
+"""Tiny random-weight Qwen3.5 checkpoints of the real architecture (dense or MoE, optional MTP / DFlash companion)
+for tests and demos.
 
 The structure is the real one at toy width: 8 layers (3 Gated-DeltaNet + 1 full attention, twice), GQA, grouped
 value heads, partial interleaved MRoPE, a small vision tower, the real padded vocabulary (the real tokenizer's ids
-reach 248076) and the real special token ids. Weights are deterministic from the seed.
+reach 248076) and the real special token ids. Weights are deterministic from the seed. A DFlash companion is a
+z-lab-shaped drafter (one sliding-window and one full layer, block 16, three target layers, the Qwen3.5 mask id).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from ninfer.core.dflash_companion import COMPANION_CONFIGS, DFlashConfig
 from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
 from ninfer.plugins.qwen3_5.weights import expected_weights
@@ -21,12 +24,14 @@ VOCAB_SIZE = 248320
 END_OF_TEXT = 248044
 IM_END = 248046
 _INIT_STD = 0.02
+DFLASH_MASK_TOKEN = 248070
 _FAMILIES = {"qwen3_5": DENSE_CONDITIONAL, "qwen3_5_moe": MOE_CONDITIONAL}
 
 
 class TinyOptions(Protocol):
     family: str
     mtp: bool
+    dflash: bool
     seed: int
 
 
@@ -137,14 +142,58 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) 
     return noise
 
 
+def tiny_dflash_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A z-lab-style DFlash drafter ``config.json`` for a tiny target with text config ``text``."""
+    layers = int(text["num_hidden_layers"])
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": text["hidden_size"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000_000,
+        "rope_scaling": None,
+        "max_position_embeddings": 262144,
+        "vocab_size": text["vocab_size"],
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "block_size": 16,
+        "num_target_layers": layers,
+        "is_causal": False,
+        "dflash_config": {"mask_token_id": DFLASH_MASK_TOKEN, "target_layer_ids": [1, (layers - 1) // 2, layers - 3]},
+        "dtype": "bfloat16",
+    }
+
+
+def tiny_dflash_tensors(config: dict[str, Any], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random drafter tensors (z-lab names): plain-RMSNorm weights near 1, linears N(0, .02)."""
+    shapes = DFlashConfig.from_dict(config, "tiny DFlash config").tensor_shapes()
+    tensors = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=generator) * _INIT_STD
+        tensors[name] = (1.0 + noise if name.endswith("norm.weight") else noise).to(torch.bfloat16)
+    return tensors
+
+
 def make_tiny(options: TinyOptions) -> TinyModel:
-    """A tiny model of ``options.family`` (with MTP weights if ``options.mtp``), deterministic from ``options.seed``."""
+    """A tiny model of ``options.family`` (with MTP weights if ``options.mtp``, a DFlash companion if
+    ``options.dflash``), deterministic from ``options.seed``."""
     config = tiny_config(options.family, mtp=bool(options.mtp))
     generator = torch.Generator().manual_seed(int(options.seed))
     tensors = {
         name: _init_tensor(name, shape, generator).to(torch.bfloat16)
         for name, shape in expected_weights(config).items()
     }
+    if getattr(options, "dflash", False):
+        drafter = tiny_dflash_config(config["text_config"])
+        config[COMPANION_CONFIGS] = {"dflash": drafter}
+        tensors.update({f"dflash.{name}": tensor for name, tensor in tiny_dflash_tensors(drafter, generator).items()})
     return TinyModel(
         architecture=config["architectures"][0],
         config=config,

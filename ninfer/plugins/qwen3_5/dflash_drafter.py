@@ -1,0 +1,114 @@
+"""The DFlash drafter: k draft tokens per row from ONE non-causal block forward conditioned on target features.
+
+The engine captures the target's outputs at the drafter's ``target_layer_ids`` for every fed token
+(``capture_layers``); :meth:`DFlashDrafter.observe` turns the committed ones into context K/V right away, written
+into the drafter's own paged KV at the target's page ids (so a prefix checkpoint's pages carry it too). A sequence is
+ready once its context reaches ``seq.fed``; its one unfed committed token then opens the block
+``[token, MASK x k]`` at positions ``fed..fed+k`` whose mask slots, through the drafter's norm and the target lm_head,
+are the k greedy drafts (one-hot proposals, as the z-lab reference drafts, so T>0 verification stays lossless). The
+block's own K/V is never stored, so rollback needs nothing beyond which positions the target committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.core.engine.sequence import Sequence
+from ninfer.core.engine.speculative import Draft, SpeculativeConfig
+from ninfer.core.errors import ConfigError
+from ninfer.core.runtime import KVCache
+from ninfer.plugins.qwen3_5.dflash import DFlashModel, DraftRow
+from ninfer.plugins.qwen3_5.draft_head import draft_head
+from ninfer.plugins.qwen3_5.model import WeightLoader
+from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
+
+
+class DFlashDrafter:
+    """Drafts with a DFlash companion model; argmax proposals."""
+
+    backend = "dflash"
+
+    def __init__(self, runtime: Qwen35Runtime, model: DFlashModel, draft_tokens: int, lm_head_draft: bool = False):
+        block = model.config.block_size
+        if draft_tokens > block - 1:
+            raise ConfigError(
+                f"--draft-tokens {draft_tokens} exceeds what this DFlash drafter's block of {block} proposes "
+                f"({block - 1}); use at most {block - 1}",
+                param="draft_tokens",
+            )
+        self.runtime = runtime
+        self.model = model
+        self.draft_tokens = draft_tokens
+        self.capture_layers = model.config.target_layer_ids
+        self._head = draft_head(runtime.model, lm_head_draft)
+        self._kv: KVCache | None = None
+        self._context_end: dict[int, int] = {}  # per sequence: context KV is written for positions [0, end)
+
+    # -- engine hooks ----------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.spec.kv_bytes_per_token()
+
+    def bind(self, num_pages: int, page_size: int) -> list[KVCache]:
+        self._kv = KVCache.allocate(self.model.spec, num_pages, page_size)
+        return [self._kv]
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runtime.model.logits(hidden)
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """``hidden`` are the captured target-layer features ``[n, K*H]`` of committed positions from ``start``."""
+        assert self._kv is not None, "the DFlash drafter was not bound to the engine's KV pool"
+        count = hidden.shape[0]
+        if count == 0:
+            return
+        device = self.runtime.model.device
+        positions = torch.arange(start, start + count, dtype=torch.int64, device=device)
+        pages = torch.as_tensor(seq.pages, dtype=torch.int64, device=device)
+        page_size = self._kv.page_size
+        slots = pages[positions // page_size] * page_size + positions % page_size
+        self.model.write_context(hidden.detach(), positions, slots, self._kv)
+        self._context_end[id(seq)] = start + count
+
+    def ready(self, seq: Sequence) -> bool:
+        return self._context_end.get(id(seq)) == seq.fed
+
+    def forget(self, seq: Sequence) -> None:
+        self._context_end.pop(id(seq), None)
+
+    def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
+        assert self._kv is not None, "the DFlash drafter was not bound to the engine's KV pool"
+        mask = self.model.config.mask_token_id
+        blocks = [DraftRow((seq.tokens[-1], *([mask] * count)), seq.fed, seq.pages) for seq, count in zip(rows, counts)]
+        hidden = self.model.draft_hidden(blocks, self._kv)
+        mask_slots: list[int] = []  # each mask slot predicts the token at its own position
+        block_start = 0
+        for count in counts:
+            mask_slots.extend(range(block_start + 1, block_start + 1 + count))
+            block_start += count + 1
+        index = torch.tensor(mask_slots, dtype=torch.int64, device=hidden.device)
+        tokens = F.linear(hidden[index], self._head).argmax(dim=-1).tolist()
+        drafts, offset = [], 0
+        for count in counts:
+            drafts.append(Draft(tuple(int(token) for token in tokens[offset : offset + count])))
+            offset += count
+        return drafts
+
+
+def build_dflash_drafter(runtime: Any, artifact: Any, config: SpeculativeConfig) -> DFlashDrafter:
+    """``SpeculativeBackend.build_drafter`` for ``--spec dflash``: loads the artifact's ``dflash.*`` companion."""
+    if not isinstance(runtime, Qwen35Runtime):
+        raise ConfigError(f"--spec dflash needs a Qwen3.5-family runtime, got {type(runtime).__name__}", param="spec")
+    target = runtime.model
+    model = DFlashModel.load(WeightLoader(artifact, target.dtype, target.device), target)
+    if model is None:
+        raise ConfigError(
+            f"--spec dflash needs DFlash companion weights (dflash.*), and {artifact.manifest.identity.model_id} "
+            "carries none; convert with `ninfer convert HF_DIR --dflash DRAFTER_DIR` or omit --spec",
+            param="spec",
+        )
+    return DFlashDrafter(runtime, model, config.draft_tokens, config.lm_head_draft)
