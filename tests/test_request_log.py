@@ -25,7 +25,7 @@ import httpx
 import jsonschema
 import pytest
 
-from test_http_server import ECHO_MODEL, LiveServer, free_port, sse_data, start_servers, tiny_artifact
+from live_server import ECHO_MODEL, LiveServer, free_port, sse_data, start_servers, tiny_artifact
 
 API_KEY = "sk-request-log-secret-4711"
 SECRET_WORD = "marmalade"  # appears only in prompts (and so in the echoed output): never in any log
@@ -309,6 +309,12 @@ def test_throughput_deltas_add_up_to_the_request_totals(scenario):
     assert sum(r["tokens"]["decode"] for r in throughput) == sum(max(d["completion_tokens"] - 1, 0) for d in done)
     stderr_reports = [line for line in scenario.stderr.splitlines() if " INFO throughput " in line]
     assert len(stderr_reports) == len(throughput)
+    rounds = [r["decode_rounds"] for r in throughput]
+    assert sum(r["rounds"] for r in rounds) > 0
+    for r in rounds:  # one lane: every round has exactly one row
+        assert r["row_rounds"] == r["rounds"] and r["average_size"] == (1.0 if r["rounds"] else None)
+    # on this single-lane server without speculation each round commits one token (uncounted after a disconnect)
+    assert sum(r["rounds"] for r in rounds) >= sum(r["tokens"]["decode"] for r in throughput)
 
 
 def test_responses_requests_are_recorded(scenario):

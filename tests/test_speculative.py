@@ -24,7 +24,7 @@ from ninfer.core.errors import ConfigError
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import KVCache, LoadOptions, StateCache
 from ninfer.core.tiny import TinyOptions, write_tiny_artifact
-from test_http_server import start_servers
+from live_server import start_servers
 
 MAX_CONTEXT = 256
 

@@ -36,6 +36,8 @@ class EngineStats:
     prefilling: int
     decoding: int
     memory: MemoryStats
+    decode_rounds: int = 0  # cumulative since start: decode rounds and the rows they processed
+    decode_row_rounds: int = 0
 
 
 class Engine:
@@ -97,6 +99,8 @@ class Engine:
             prefilling=len(scheduler.prefilling),
             decoding=len(scheduler.decoding),
             memory=self._memory.stats(),
+            decode_rounds=self._executor.decode_rounds,
+            decode_row_rounds=self._executor.decode_row_rounds,
         )
 
     def clear_prefix_cache(self) -> None:

@@ -69,6 +69,8 @@ class Executor:
         self._post_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine-executor", daemon=True)
         self.failure: str | None = None
+        self.decode_rounds = 0  # cumulative decode (or speculative) rounds, read by throughput reports
+        self.decode_row_rounds = 0  # cumulative rows processed by those rounds
         self.drafter = drafter
         self._speculative: SpeculativeRound | None = None
         if drafter is not None:
@@ -239,6 +241,8 @@ class Executor:
 
     def _decode(self, step: DecodeStep) -> None:
         rows = list(step.rows)
+        self.decode_rounds += 1
+        self.decode_row_rounds += len(rows)
         if self._speculative is not None:
             for seq, finish in self._speculative.run(rows, time.monotonic):
                 self._finish(seq, finish, time.monotonic())

@@ -2,8 +2,9 @@
 
 Token counters are fed by the protocol layer as it receives engine commits (:class:`ThroughputCounters`);
 the scheduler snapshot comes from ``Engine.stats()`` at the end of the interval. Fully idle intervals
-(no counter moved and nothing outstanding) are omitted. Counters the engine does not measure yet
-(decode rounds, host work, context-cache activity) are reported as null; see ``docs/request-log.md``.
+(no counter moved and nothing outstanding) are omitted. Decode rounds come from
+the engine's cumulative counters (interval deltas). Counters the engine does not measure yet (host work,
+context-cache activity) are reported as null; see ``docs/request-log.md``.
 """
 
 from __future__ import annotations
@@ -65,14 +66,32 @@ def scheduler_snapshot(stats: Any) -> dict[str, int]:
     }
 
 
-def throughput_fields(counts: IntervalCounts, interval_seconds: float, stats: Any) -> dict[str, Any]:
+@attrs.frozen
+class RoundCounts:
+    """Decode rounds in an interval and the rows they processed (a round's batch size summed)."""
+
+    rounds: int = 0
+    row_rounds: int = 0
+
+    @property
+    def average_size(self) -> float | None:
+        return self.row_rounds / self.rounds if self.rounds else None
+
+
+def throughput_fields(
+    counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts()
+) -> dict[str, Any]:
     """The JSONL ``throughput`` event body."""
     memory = stats.memory
     return {
         "interval_seconds": interval_seconds,
         "tokens": {"prefill": counts.prefill_tokens, "decode": counts.decode_tokens},
         "requests": {"started": counts.requests_started, "finished": counts.requests_finished},
-        "decode_rounds": {"rounds": None, "row_rounds": None, "average_size": None},
+        "decode_rounds": {
+            "rounds": rounds.rounds,
+            "row_rounds": rounds.row_rounds,
+            "average_size": rounds.average_size,
+        },
         "scheduler": scheduler_snapshot(stats),
         "context_cache": {
             "occupancy": {
@@ -89,13 +108,15 @@ def throughput_fields(counts: IntervalCounts, interval_seconds: float, stats: An
     }
 
 
-def pretty_line(counts: IntervalCounts, interval_seconds: float, stats: Any) -> str:
+def pretty_line(counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts()) -> str:
     """The rounded stderr summary: nonzero rates and counts, the running composition, nonzero waiting."""
     parts = []
     if counts.prefill_tokens:
         parts.append(f"prefill {counts.prefill_tokens} tok ({counts.prefill_tokens / interval_seconds:.1f} tok/s)")
     if counts.decode_tokens:
         parts.append(f"decode {counts.decode_tokens} tok ({counts.decode_tokens / interval_seconds:.1f} tok/s)")
+    if rounds.average_size is not None:
+        parts.append(f"avg batch {rounds.average_size:.1f}")
     if counts.requests_finished:
         parts.append(f"{counts.requests_finished} finished")
     snapshot = scheduler_snapshot(stats)
@@ -117,6 +138,7 @@ class ThroughputReporter:
         self.request_log = request_log
         self._stop = threading.Event()
         self._last = time.monotonic()
+        self._last_rounds = RoundCounts()
         self._thread = threading.Thread(target=self._run, name="ninfer-throughput", daemon=True)
 
     def start(self) -> None:
@@ -146,9 +168,12 @@ class ThroughputReporter:
         """Emit one report unless the interval was fully idle; returns whether it reported."""
         counts = self.counters.take()
         stats = self.engine.stats()
-        if counts.idle() and stats.outstanding == 0:
+        total = RoundCounts(stats.decode_rounds, stats.decode_row_rounds)
+        rounds = RoundCounts(total.rounds - self._last_rounds.rounds, total.row_rounds - self._last_rounds.row_rounds)
+        self._last_rounds = total
+        if counts.idle() and stats.outstanding == 0 and rounds.rounds == 0:
             return False
-        oplog.get_logger().info(pretty_line(counts, interval_seconds, stats))
+        oplog.get_logger().info(pretty_line(counts, interval_seconds, stats, rounds))
         if self.request_log is not None:
-            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats))
+            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats, rounds))
         return True
