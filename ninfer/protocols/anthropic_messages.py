@@ -36,7 +36,7 @@ from ninfer.protocols.generation import (
     OutputUpdate,
     cancel_on_disconnect,
     cancelled_error,
-    GenerationStream,
+    respond_with_stream,
 )
 from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 
@@ -276,19 +276,11 @@ class MessagesResource:
         resp.data = json_bytes(renderer.message(result))
 
     async def _stream(self, req: Any, resp: Any, generation: Generation, renderer: MessageRenderer) -> None:
-        """Commit the SSE response only after admission, so admission failures stay ordinary HTTP errors."""
-        try:
-            async with cancel_on_disconnect(req, generation):
-                await generation.start()
-                await generation.admitted()
-        except BaseException:
-            generation.close()
-            raise
-        resp.status = falcon.HTTP_200
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = GenerationStream(req, generation, message_frames(generation, renderer))
+        async def begin() -> None:
+            await generation.start()
+            await generation.admitted()
+
+        await respond_with_stream(req, resp, generation, begin, message_frames(generation, renderer))
 
 
 class CountTokensResource:

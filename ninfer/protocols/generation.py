@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
 
@@ -524,3 +524,23 @@ class GenerationStream:
         self.generation.close()
         with contextlib.suppress(Exception):
             await self._frames.aclose()
+
+
+async def respond_with_stream(
+    req: Any, resp: Any, generation: Generation, begin: Callable[[], Awaitable[None]], frames: AsyncIterator[bytes]
+) -> None:
+    """Run ``begin`` (start + wait for admission) and only then commit an SSE response carrying ``frames``.
+
+    Committing after admission keeps overload, queue-timeout and preparation failures ordinary HTTP errors.
+    """
+    try:
+        async with cancel_on_disconnect(req, generation):
+            await begin()
+    except BaseException:
+        generation.close()
+        raise
+    resp.status = 200
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+    resp.stream = GenerationStream(req, generation, frames)

@@ -19,7 +19,7 @@ from ninfer.protocols.generation import (
     PromptProgress,
     cancel_on_disconnect,
     cancelled_error,
-    GenerationStream,
+    respond_with_stream,
 )
 from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 from ninfer.protocols.openai_chat_request import ChatRequest, parse_chat_request
@@ -219,19 +219,11 @@ class ChatCompletionsResource:
         resp.data = json_bytes(completion_object(result, completion=completion, created=created, model=model))
 
     async def _stream(self, req: Any, resp: Any, generation: Generation, renderer: ChunkRenderer) -> None:
-        """Commit the SSE response only after admission, so admission failures stay ordinary HTTP errors."""
-        try:
-            async with cancel_on_disconnect(req, generation):
-                await generation.start()
-                await generation.admitted()
-        except BaseException:
-            generation.close()
-            raise
-        resp.status = falcon.HTTP_200
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = GenerationStream(req, generation, chat_frames(generation, renderer))
+        async def begin() -> None:
+            await generation.start()
+            await generation.admitted()
+
+        await respond_with_stream(req, resp, generation, begin, chat_frames(generation, renderer))
 
 
 def mount_openai_chat(app: Any, context: Any) -> None:

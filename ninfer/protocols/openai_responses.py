@@ -33,7 +33,7 @@ from ninfer.protocols.generation import (
     OutputUpdate,
     cancel_on_disconnect,
     cancelled_error,
-    GenerationStream,
+    respond_with_stream,
 )
 from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 from ninfer.protocols.openai_chat_messages import malformed, unsupported
@@ -384,18 +384,7 @@ class CreateResource(_Resource):
         _json(resp, body)
 
     async def _stream(self, req: Any, resp: Any, run: ResponseRun) -> None:
-        """Commit the SSE response only after admission, so admission failures stay ordinary HTTP errors."""
-        try:
-            async with cancel_on_disconnect(req, run.generation):
-                await run.start()
-        except BaseException:
-            run.generation.close()
-            raise
-        resp.status = falcon.HTTP_200
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = GenerationStream(req, run.generation, ResponseEvents(run).frames())
+        await respond_with_stream(req, resp, run.generation, run.start, ResponseEvents(run).frames())
 
 
 class InputTokensResource(_Resource):
