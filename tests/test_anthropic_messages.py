@@ -322,6 +322,24 @@ def test_billing_header_block_is_consumed_before_counting_and_caching(echo):
     assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.cache_read_input_tokens - 1
 
 
+def test_system_cache_breakpoint_is_reused_by_a_different_conversation(echo):
+    # Claude Code's pattern: a long system prompt marked with cache_control, then conversations that differ after it.
+    system = [{"type": "text", "text": "You are a careful agent. " + words(60), "cache_control": {"type": "ephemeral"}}]
+    system_turn = official_prompt_tokens("qwen3_8", [{"role": "system", "content": system[0]["text"]},
+                                                     {"role": "user", "content": "x"}], **THINKING_ON)
+    sdk = client(echo)
+    sdk.messages.create(model="local", max_tokens=8, system=system, messages=[{"role": "user", "content": fence("a")}])
+    other = sdk.messages.create(model="local", max_tokens=8, system=system,
+                                messages=[{"role": "user", "content": fence("a different question")}])
+    # everything up to the end of the system turn came from the breakpoint checkpoint of the first request
+    assert 60 < other.usage.cache_read_input_tokens < system_turn
+    unmarked = [{"type": "text", "text": "You are a different agent. " + words(60)}]
+    sdk.messages.create(model="local", max_tokens=8, system=unmarked, messages=[{"role": "user", "content": fence("a")}])
+    again = sdk.messages.create(model="local", max_tokens=8, system=unmarked,
+                                messages=[{"role": "user", "content": fence("another")}])
+    assert again.usage.cache_read_input_tokens == 0  # without a marker there is no frontier to resume from
+
+
 def test_cache_markers_map_to_breakpoints_without_changing_the_prompt(echo):
     from ninfer.core.conversation import TextPart
     from ninfer.protocols.anthropic_request import RequestSettings, parse_messages_request

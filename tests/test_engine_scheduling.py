@@ -138,6 +138,28 @@ def test_prefix_reuse_is_exact_and_reports_cached_tokens():
     engine.shutdown()
 
 
+def test_checkpoint_offsets_capture_reusable_frontiers():
+    engine = make_engine(page_size=4)
+    shared = prompts_of([10], seed=11)[0]
+    first_prompt, second_prompt = shared + [1, 2, 3, 4, 5], shared + [9, 8, 7]
+    request = GenerationRequest(first_prompt, SamplingParams(max_tokens=3, **GREEDY), checkpoint_offsets=(10, 0, 99))
+    first = engine.submit(request).result(10)
+    assert first.output_token_ids == tuple(oracle_greedy(first_prompt, 3))  # the extra chunk cut changes nothing
+    second = engine.submit(greedy(second_prompt, 3)).result(10)
+    assert second.cached_tokens == 10  # diverges after the frontier: only the breakpoint checkpoint matches
+    assert second.output_token_ids == tuple(oracle_greedy(second_prompt, 3))
+    assert idle(engine)
+    engine.shutdown()
+
+
+def test_checkpoint_offsets_are_ignored_without_prefix_reuse():
+    engine = make_engine(page_size=4, prefix_reuse=False)
+    prompt = prompts_of([12], seed=12)[0]
+    out = engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=2, **GREEDY), checkpoint_offsets=(6,))).result(10)
+    assert out.output_token_ids == tuple(oracle_greedy(prompt, 2)) and engine.stats().memory.checkpoints == 0
+    engine.shutdown()
+
+
 def test_no_prefix_reuse_never_caches():
     engine = make_engine(prefix_reuse=False)
     prompt = prompts_of([20], seed=4)[0]

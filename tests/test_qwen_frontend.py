@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
 import jinja2
 import jinja2.ext
 import pytest
@@ -546,3 +547,48 @@ def test_count_tokens_matches_prepare(make: Make) -> None:
     conv, _ = conversation(tool_history(), tools=TOOLS)
     frontend = make("qwen3_8")
     assert frontend.count_tokens(conv) == len(frontend.prepare(conv, GenerationOptions()).token_ids)
+
+
+# ---- cache breakpoints -> checkpoint frontiers --------------------------------------------------------------------
+
+
+def _marked(message: Message) -> Message:
+    return attrs.evolve(message, parts=tuple(attrs.evolve(part, cache_breakpoint=True) for part in message.parts))
+
+
+@pytest.mark.parametrize("generation", ["qwen3_6", "qwen3_8"])
+def test_breakpoints_become_exact_token_frontiers(make, generation):
+    sys_msg, user_msg = Message("system", (TextPart("You are helpful."),)), Message("user", (TextPart("Hi there"),))
+    history = [_marked(sys_msg), Message("user", (TextPart("Q1"),)), Message("assistant", (TextPart("A1"),)),
+               _marked(user_msg)]
+    frontend = make(generation)
+    prepared = frontend.prepare(Conversation(tuple(history)), GenerationOptions())
+    text = QWEN.decode(list(prepared.token_ids))
+    # the system turn closes the first frontier; the last user turn closes the second (before the generation prompt)
+    system_end = text.index("<|im_end|>\n") + len("<|im_end|>\n")
+    last_user_end = text.rindex("<|im_end|>\n") + len("<|im_end|>\n")
+    expected = (len(QWEN.encode(text[:system_end])), len(QWEN.encode(text[:last_user_end])))
+    assert prepared.checkpoint_offsets == expected
+    assert prepared.token_ids[: expected[0]] == tuple(QWEN.encode(text[:system_end]))
+    unmarked = frontend.prepare(Conversation((sys_msg, user_msg)), GenerationOptions())
+    assert unmarked.checkpoint_offsets == () and unmarked.token_ids[: 5] == prepared.token_ids[: 5]
+
+
+def test_breakpoint_inside_a_merged_tool_turn_is_ignored(make):
+    # Consecutive tool results share one user turn, so a frontier after the first result is not where a turn opens:
+    # its prefix is not an exact prefix of the prompt, and the breakpoint is ignored (the spec allows this).
+    calls = (ToolCall("call_1", "lookup", {"key": 1}), ToolCall("call_2", "lookup", {"key": 2}))
+    turns = (
+        Message("user", (TextPart("Look both up"),)),
+        Message("assistant", tool_calls=calls),
+        Message("tool", tool_result=ToolResult("call_1", (TextPart("one", cache_breakpoint=True),))),
+        Message("tool", tool_result=ToolResult("call_2", (TextPart("two"),))),
+    )
+    prepared = make("qwen3_6").prepare(Conversation(turns), GenerationOptions())
+    assert prepared.checkpoint_offsets == ()
+    marked_last = turns[:3] + (Message("tool", tool_result=ToolResult("call_2", (TextPart("two", cache_breakpoint=True),))),)
+    text = QWEN.decode(list(prepared.token_ids))
+    turn_end = text.rindex("<|im_end|>\n") + len("<|im_end|>\n")
+    assert make("qwen3_6").prepare(Conversation(marked_last), GenerationOptions()).checkpoint_offsets == (
+        len(QWEN.encode(text[:turn_end])),
+    )

@@ -82,6 +82,7 @@ class PreparedPrompt:
     ``thinking``: the resolved thinking mode (selects the sampling preset and the decoder's start channel).
     ``requested_effort``/``resolved_effort``: the client value and the effective tier (None when not tiered).
     ``budget_close`` is an engine ``BudgetClose`` (or None) implementing the thinking budget.
+    ``checkpoint_offsets`` are prompt frontiers where the engine should capture reusable checkpoints.
     """
 
     token_ids: tuple[int, ...]
@@ -93,6 +94,7 @@ class PreparedPrompt:
     sampling_preset: SamplingPreset | None
     budget_close: object | None = None
     conversation: Conversation | None = None
+    checkpoint_offsets: tuple[int, ...] = ()  # exact token frontiers of explicit cache breakpoints
 
 
 class OutputDecoder(Protocol):

@@ -249,6 +249,7 @@ class Generation:
                 budget_close=self.prepared.budget_close,
                 report_progress=self.job.report_progress,
                 request_id=self.request_id,
+                checkpoint_offsets=self.prepared.checkpoint_offsets,
             )
         except BaseException as exc:
             ticket.release()

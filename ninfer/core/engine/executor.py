@@ -194,12 +194,17 @@ class Executor:
 
     def _prefill(self, seq: Sequence) -> None:
         start = seq.fed
-        count = min(self.config.prefill_chunk, seq.prompt_len - start)
-        last = start + count == seq.prompt_len
-        self.memory.ensure_pages(seq, start + count)
+        end = min(start + self.config.prefill_chunk, seq.prompt_len)
+        frontier = self._checkpoint_frontier(seq, start, end)
+        if frontier is not None:
+            end = frontier
+        count = end - start
+        last = end == seq.prompt_len
+        self.memory.ensure_pages(seq, end)
         drafter = self.drafter
         if drafter is None:
-            batch = self._batch([seq], [seq.tokens[start : start + count]], logits="last" if last else "none")
+            wants_logits = last or frontier is not None
+            batch = self._batch([seq], [seq.tokens[start:end]], logits="last" if wants_logits else "none")
         else:  # the drafter needs every prompt position's hidden state; logits come from the last one
             batch = self._batch(
                 [seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True,
@@ -211,19 +216,30 @@ class Executor:
             drafter.observe(seq, start, features)
         seq.fed = start + count
         now = time.monotonic()
+        if frontier is not None:
+            self.memory.capture_prefix(seq, self._chunk_logits(output))
         self._progress(seq, now)
         if not last:
             return
         seq.prompt_done_at = now
-        if drafter is None:
-            seq.last_logits = output.logits[0]
-        else:
-            assert output.hidden is not None, "the runtime returned no hidden states for a drafting prefill"
-            seq.last_logits = drafter.target_logits(output.hidden[-1:])[0]
+        seq.last_logits = self._chunk_logits(output)
         seq.last_logits_at = seq.fed
         if self.config.prefix_reuse:
             self.memory.capture_prompt(seq)
         self._after_prompt(seq, now)
+
+    def _checkpoint_frontier(self, seq: Sequence, start: int, end: int) -> int | None:
+        """The first requested checkpoint frontier inside this chunk (before the prompt's end), if reuse is on."""
+        if not self.config.prefix_reuse:
+            return None
+        return next((offset for offset in seq.request.checkpoint_offsets if start < offset < end), None)
+
+    def _chunk_logits(self, output: Any) -> Any:
+        """The next-token logits after a prefill chunk's last token."""
+        if self.drafter is None:
+            return output.logits[0]
+        assert output.hidden is not None, "the runtime returned no hidden states for a drafting prefill"
+        return self.drafter.target_logits(output.hidden[-1:])[0]
 
     def _after_prompt(self, seq: Sequence, now: float) -> None:
         """The prompt is processed: sample the first token from its last logits (or finish at max_tokens 0)."""

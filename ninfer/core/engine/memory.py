@@ -185,8 +185,13 @@ class EngineMemory:
 
     def capture_prompt(self, seq: Sequence) -> None:
         """Checkpoint the end of ``seq``'s prompt (its state is copied into a spare slot)."""
-        assert seq.slot is not None and seq.last_logits is not None
-        self.cache.capture(seq.prompt, seq.pages, seq.slot, seq.last_logits, take_slot=False)
+        assert seq.last_logits is not None
+        self.capture_prefix(seq, seq.last_logits)
+
+    def capture_prefix(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Checkpoint ``seq``'s fed tokens; ``logits`` are the next-token logits after the last of them."""
+        assert seq.slot is not None
+        self.cache.capture(seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False)
 
     def release(self, seq: Sequence, *, checkpoint: bool) -> None:
         """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint."""

@@ -118,6 +118,8 @@ class GenerationRequest:
     """One generation: prompt token ids, sampling, an optional budget-close policy.
 
     ``report_progress`` publishes :class:`ProgressEvent` after admission and after every prefill chunk.
+    ``checkpoint_offsets`` are prompt frontiers (token counts) where prefill stops a chunk and captures a reusable
+    checkpoint (explicit cache breakpoints); frontiers outside the computed part of the prompt are ignored.
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
@@ -125,6 +127,7 @@ class GenerationRequest:
     budget_close: BudgetClose | None = None
     report_progress: bool = False
     request_id: str | None = None
+    checkpoint_offsets: tuple[int, ...] = attrs.field(default=(), converter=lambda values: tuple(sorted(set(values))))
 
 
 @attrs.frozen

@@ -16,11 +16,11 @@ import attrs
 
 from ninfer.core.artifact import CHAT_TEMPLATE_RESOURCE
 from ninfer.core.chat_template import EFFORT_VOCABULARY, ChatTemplate
-from ninfer.core.conversation import Conversation, GenerationOptions
+from ninfer.core.conversation import Conversation, GenerationOptions, Message, TextPart
 from ninfer.core.descriptors import ModelFamily, SamplingPreset
 from ninfer.core.engine.loader import eos_token_ids
 from ninfer.core.engine.request import BudgetClose
-from ninfer.core.errors import ArtifactError, CapacityError, InvalidRequestError, NotYetAvailableError
+from ninfer.core.errors import ArtifactError, CapacityError, InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import PreparedPrompt, PromptCapabilities
 from ninfer.plugins.qwen3_5.output_parser import (
     THINK_CLOSE,
@@ -50,6 +50,16 @@ class ThinkingMode:
     thinking: bool
     requested_effort: str | None
     resolved_effort: str | None
+
+
+MAX_CACHE_BREAKPOINTS = 4
+FRONTIER_PROBE = "\u2063ninfer-frontier-probe\u2063"  # never in a real prompt; cut away before tokenizing
+USER_TURN_OPEN = "<|im_start|>user\n"
+
+
+def _has_breakpoint(message: Message) -> bool:
+    parts = (*message.parts, *(message.tool_result.parts if message.tool_result is not None else ()))
+    return any(part.cache_breakpoint for part in parts)
 
 
 @attrs.frozen
@@ -157,6 +167,7 @@ class QwenFrontend:
         capacity = min(max_tokens, limit - len(token_ids))
         return PreparedPrompt(
             token_ids=token_ids,
+            checkpoint_offsets=self._checkpoint_offsets(conversation, rendered, token_ids),
             thinking=rendered.mode.thinking,
             preserve_thinking=rendered.preserve_thinking,
             requested_effort=rendered.mode.requested_effort,
@@ -191,20 +202,57 @@ class QwenFrontend:
         prefill = conversation.continue_final_message
         if prefill:
             self._check_prefill(conversation, mode)
-        lowered = lower(conversation)
-        if lowered.media_items and not self._config.vision:
+        text, media_items = self._template_text(conversation, mode, preserve, generation_prompt=not prefill)
+        if media_items and not self._config.vision:
             raise InvalidRequestError("image and video input needs a server started with --vision",
                                       param="messages", code="vision_disabled")
+        if prefill:
+            text = self._open_final_turn(text, conversation)
+        return RenderedPrompt(text=text, mode=mode, preserve_thinking=preserve, prefill=prefill,
+                              media_items=media_items)
+
+    def _template_text(self, conversation: Conversation, mode: ThinkingMode, preserve: bool, *,
+                       generation_prompt: bool) -> tuple[str, int]:
+        """The template's text for ``conversation`` under ``mode`` and the number of media items it holds."""
+        lowered = lower(conversation)
         options: dict[str, Any] = {"enable_thinking": mode.thinking, "preserve_thinking": preserve}
         if mode.thinking and self.capabilities.effort_levels and mode.resolved_effort is not None:
             options["reasoning_effort"] = mode.resolved_effort
         text = self.template.render(list(lowered.messages), tools=list(lowered.tools) or None,
-                                    add_generation_prompt=not prefill, **options)
-        text = lowered.substitute_system_blocks(text)
-        if prefill:
-            text = self._open_final_turn(text, conversation)
-        return RenderedPrompt(text=text, mode=mode, preserve_thinking=preserve, prefill=prefill,
-                              media_items=lowered.media_items)
+                                    add_generation_prompt=generation_prompt, **options)
+        return lowered.substitute_system_blocks(text), lowered.media_items
+
+    # -- cache breakpoints --------------------------------------------------------------------------------------
+
+    def _checkpoint_offsets(self, conversation: Conversation, rendered: RenderedPrompt,
+                            token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Exact token frontiers after the turns that carry an explicit cache breakpoint (the latest four).
+
+        A turn's frontier is where the next turn would open. The prefix is rendered with a probe user turn after
+        it (so templates that need a user query still render) and cut at the probe. The probe is a real query only
+        when a real user query follows in the conversation, and otherwise looks like a tool result, so the
+        template's "last user query" (which decides where history keeps its reasoning) stays where it is. A
+        frontier that is not an exact prefix of the prompt's text and tokens is ignored, as the spec allows.
+        """
+        messages = conversation.messages
+        marked = [index for index, message in enumerate(messages) if _has_breakpoint(message)]
+        offsets: set[int] = set()
+        for index in marked[-MAX_CACHE_BREAKPOINTS:]:
+            query_follows = any(message.role == "user" for message in messages[index + 1 :])
+            probe_text = FRONTIER_PROBE if query_follows else f"<tool_response>{FRONTIER_PROBE}</tool_response>"
+            head = attrs.evolve(conversation, continue_final_message=False,
+                                messages=(*messages[: index + 1], Message("user", (TextPart(probe_text),))))
+            try:
+                text, _ = self._template_text(head, rendered.mode, rendered.preserve_thinking, generation_prompt=False)
+            except NinferError:
+                continue
+            cut = text.rfind(USER_TURN_OPEN + probe_text)
+            if cut <= 0 or not rendered.text.startswith(text[:cut]):
+                continue
+            ids = tuple(self._tokenizer.encode(text[:cut]))
+            if len(ids) < len(token_ids) and token_ids[: len(ids)] == ids:
+                offsets.add(len(ids))
+        return tuple(sorted(offsets))
 
     @staticmethod
     def _check_prefill(conversation: Conversation, mode: ThinkingMode) -> None:
