@@ -340,6 +340,17 @@ def test_system_cache_breakpoint_is_reused_by_a_different_conversation(echo):
     assert again.usage.cache_read_input_tokens == 0  # without a marker there is no frontier to resume from
 
 
+def test_marked_tool_definitions_are_reused_across_conversations(echo):
+    tools = [{"name": f"tool_{i}", "description": "Does a thing. " + words(20),
+              "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}} for i in range(3)]
+    tools[-1]["cache_control"] = {"type": "ephemeral"}
+    sdk = client(echo)
+    sdk.messages.create(model="local", max_tokens=8, tools=tools, messages=[{"role": "user", "content": fence("a")}])
+    other = sdk.messages.create(model="local", max_tokens=8, tools=tools,
+                                messages=[{"role": "user", "content": fence("something else entirely")}])
+    assert other.usage.cache_read_input_tokens > 60  # the tools' system turn came from the breakpoint checkpoint
+
+
 def test_cache_markers_map_to_breakpoints_without_changing_the_prompt(echo):
     from ninfer.core.conversation import TextPart
     from ninfer.protocols.anthropic_request import RequestSettings, parse_messages_request

@@ -592,3 +592,24 @@ def test_breakpoint_inside_a_merged_tool_turn_is_ignored(make):
     assert make("qwen3_6").prepare(Conversation(marked_last), GenerationOptions()).checkpoint_offsets == (
         len(QWEN.encode(text[:turn_end])),
     )
+
+
+def test_tool_use_and_tool_definition_markers_end_their_turns(make):
+    call = ToolCall("call_1", "lookup", {"key": 1}, cache_breakpoint=True)
+    turns = (
+        Message("user", (TextPart("Look it up"),)),
+        Message("assistant", tool_calls=(call,)),
+        Message("tool", tool_result=ToolResult("call_1", (TextPart("one"),))),
+    )
+    tools = (ToolDefinition("lookup", "Look a key up", {"type": "object", "properties": {"key": {"type": "integer"}}}),)
+    frontend = make("qwen3_6")
+    prepared = frontend.prepare(Conversation(turns, tools=tools), GenerationOptions())
+    text = QWEN.decode(list(prepared.token_ids))
+    assistant_end = text.index("</tool_call><|im_end|>\n") + len("</tool_call><|im_end|>\n")
+    assert prepared.checkpoint_offsets == (len(QWEN.encode(text[:assistant_end])),)
+    marked_tools = frontend.prepare(Conversation(turns[:1], tools=tools, tools_cache_breakpoint=True),
+                                    GenerationOptions())
+    tools_text = QWEN.decode(list(marked_tools.token_ids))
+    system_end = tools_text.index("<|im_end|>\n") + len("<|im_end|>\n")
+    assert tools_text.startswith("<|im_start|>system\n# Tools")
+    assert marked_tools.checkpoint_offsets == (len(QWEN.encode(tools_text[:system_end])),)

@@ -48,6 +48,7 @@ class ToolCall:
     arguments: Mapping[str, Any]
     namespace: str | None = None
     item_id: str | None = None
+    cache_breakpoint: bool = False  # an explicit prompt-cache write candidate ends after this call's turn
 
 
 @attrs.frozen
@@ -113,6 +114,7 @@ class Conversation:
     preserve_thinking: bool | None = None
     thinking_budget: int | None = None
     continue_final_message: bool = False
+    tools_cache_breakpoint: bool = False  # a tool definition carries an explicit prompt-cache breakpoint
 
     @property
     def callable_tools(self) -> tuple[ToolDefinition, ...]:

@@ -12,8 +12,8 @@ per-request attribution) is consumed, with its ``cache_control``, before countin
 
 Cache markers: at most four distinct block-level breakpoints; a request-level ``cache_control`` targets the last
 cacheable block (merges with the same TTL there, conflicts with another TTL, needs a free slot otherwise). Marked
-text/image blocks and tool results become ``cache_breakpoint`` parts; markers on tools and tool_use blocks are
-legal but have no exact prompt frontier of their own and are accepted without effect.
+text/image blocks and tool results become ``cache_breakpoint`` parts, a marked tool_use marks its call, and a marked
+tool definition sets ``Conversation.tools_cache_breakpoint``; the frontend maps each to the end of its turn.
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ class HistoryLowering:
                 parts.append(TextPart(text, path in self.plan.marked))
             elif kind == "tool_use":
                 phase = 2
-                call = self._call(block, where)
+                call = attrs.evolve(self._call(block, where), cache_breakpoint=path in self.plan.marked)
                 if any(existing.call_id == call.call_id for existing in calls):
                     raise malformed(f"{where}.id", f"duplicate tool_use id {call.call_id!r} in one assistant turn")
                 calls.append(call)

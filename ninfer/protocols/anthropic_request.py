@@ -297,6 +297,7 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
         preserve_thinking=preserve,
         thinking_budget=thinking.budget,
         continue_final_message=history.prefill,
+        tools_cache_breakpoint=any(path[0] == "tools" for path in plan.marked),
     )
     options = GenerationOptions() if count_only else parse_sampling(body, max_tokens)
     stream = False if count_only else bool(optional_bool(body, "stream"))

@@ -59,7 +59,20 @@ USER_TURN_OPEN = "<|im_start|>user\n"
 
 def _has_breakpoint(message: Message) -> bool:
     parts = (*message.parts, *(message.tool_result.parts if message.tool_result is not None else ()))
-    return any(part.cache_breakpoint for part in parts)
+    return any(item.cache_breakpoint for item in (*parts, *message.tool_calls))
+
+
+def _breakpoint_turns(conversation: Conversation) -> list[int]:
+    """Indices of the turns whose end is a breakpoint frontier; -1 is the tools block's own system turn.
+
+    Tool definitions render inside the leading system turn, so a marker on them maps to that turn's end: the
+    tools-only turn (-1) when no system message leads, else the leading system message's turn (0).
+    """
+    messages = conversation.messages
+    marked = [index for index, message in enumerate(messages) if _has_breakpoint(message)]
+    if conversation.tools_cache_breakpoint and conversation.tools:
+        marked.append(0 if messages and messages[0].role in ("system", "developer") else -1)
+    return sorted(set(marked))
 
 
 @attrs.frozen
@@ -235,9 +248,8 @@ class QwenFrontend:
         frontier that is not an exact prefix of the prompt's text and tokens is ignored, as the spec allows.
         """
         messages = conversation.messages
-        marked = [index for index, message in enumerate(messages) if _has_breakpoint(message)]
         offsets: set[int] = set()
-        for index in marked[-MAX_CACHE_BREAKPOINTS:]:
+        for index in _breakpoint_turns(conversation)[-MAX_CACHE_BREAKPOINTS:]:
             query_follows = any(message.role == "user" for message in messages[index + 1 :])
             probe_text = FRONTIER_PROBE if query_follows else f"<tool_response>{FRONTIER_PROBE}</tool_response>"
             head = attrs.evolve(conversation, continue_final_message=False,
