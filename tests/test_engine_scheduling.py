@@ -444,6 +444,9 @@ def test_budget_close_inserts_control_tokens(engine):
     assert outcome.usage.completion_tokens == 10 and outcome.control_tokens == 3
     assert [e.control for e in events] == [False, False, False, True, False, False, False, False]
     assert events[3].token_ids == insert
+    timings = outcome.timings
+    assert (timings.prefill_units, timings.control_units) == (1, 1)
+    assert timings.decode_rounds == 10 - len(insert) - 1  # one round per sampled token after the first
 
 
 def test_budget_close_is_skipped_when_the_model_closes_first(engine):

@@ -269,6 +269,9 @@ def test_done_timings_and_engine_timing_are_consistent(scenario):
                                       "engine_maintenance")]
     assert host["total"] == sum(phases) and host["total"] > 0.0
     assert engine["queue_wait_seconds"] + host["total"] <= timings["total"]
+    # one lane, no speculation: the first token comes from prefill, every later one from its own decode round
+    assert engine["decode"]["rounds"] == done["result"]["completion_tokens"] - 1
+    assert engine["units"] == {"prefill": 1, "control": 0}  # a short prompt is one prefill chunk; no budget close
 
 
 def test_preparation_rejection_records_the_exact_http_error(scenario):

@@ -51,6 +51,7 @@ def commit_sampled(seq: Sequence, token: int, now: float) -> Finish | None:
 
 def commit_control(seq: Sequence, tokens: Seq[int], now: float) -> Finish | None:
     """Append engine-inserted control tokens (never sampled) and publish them flagged as control."""
+    seq.control_units += 1
     text = []
     for token in tokens:
         _append(seq, token, now)

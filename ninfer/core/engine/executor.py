@@ -200,6 +200,7 @@ class Executor:
             end = frontier
         count = end - start
         last = end == seq.prompt_len
+        seq.prefill_units += 1
         self.memory.ensure_pages(seq, end)
         drafter = self.drafter
         if drafter is None:
@@ -259,6 +260,8 @@ class Executor:
         rows = list(step.rows)
         self.decode_rounds += 1
         self.decode_row_rounds += len(rows)
+        for seq in rows:
+            seq.decode_rounds += 1
         if self._speculative is not None:
             for seq, finish in self._speculative.run(rows, time.monotonic):
                 self._finish(seq, finish, time.monotonic())

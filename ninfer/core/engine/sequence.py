@@ -53,6 +53,9 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     speculative: SpeculativeCounters | None = None
+    decode_rounds: int = 0
+    prefill_units: int = 0
+    control_units: int = 0
 
     @property
     def reserved_tokens(self) -> int:
@@ -82,6 +85,9 @@ class Sequence:
             predicted_n=self.output_count,
             draft_n=drafted if terminal_drafts else None,
             draft_n_accepted=self.speculative.accepted_tokens if terminal_drafts and self.speculative else None,
+            decode_rounds=self.decode_rounds,
+            prefill_units=self.prefill_units,
+            control_units=self.control_units,
         )
 
     def outcome(self, reason: FinishReason, stop: StopMatch | None, finished_at: float) -> GenerationOutcome:

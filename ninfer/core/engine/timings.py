@@ -35,6 +35,9 @@ class RequestTimings:
     predicted_n: int = 0
     draft_n: int | None = None  # speculative: drafted tokens (terminal snapshot only, when drafting occurred)
     draft_n_accepted: int | None = None
+    decode_rounds: int = 0  # decode (or speculative) rounds this request took part in
+    prefill_units: int = 0  # prefill chunks computed for it
+    control_units: int = 0  # control insertions committed without sampling (budget close)
 
     @property
     def queue_wait_s(self) -> float:

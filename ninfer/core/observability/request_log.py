@@ -290,8 +290,8 @@ def engine_timing_fields(timings: Any, submitted_at: float) -> dict[str, Any]:
         "queue_wait_seconds": queue_wait,
         "device_wait_exposed_seconds": 0.0,
         "host_exposed_seconds": {**phases, "total": sum(phases.values())},
-        "decode": {"host_exposed_seconds": timings.decode_s, "device_wait_seconds": 0.0, "rounds": None},
-        "units": {"prefill": None, "control": None},
+        "decode": {"host_exposed_seconds": timings.decode_s, "device_wait_seconds": 0.0, "rounds": timings.decode_rounds},
+        "units": {"prefill": timings.prefill_units, "control": timings.control_units},
     }
 
 
