@@ -504,3 +504,31 @@ def test_store_counts_shared_context_once_and_evicts_lru():
     assert len(small) == 1 and small.get("b") is second
     with pytest.raises(StoreCapacityError):
         ResponseStore(max_records=10, max_bytes=10).put(first)
+
+
+# -- client disconnect (a slow server of its own) -----------------------------------------------------------------
+
+
+def test_stream_disconnect_cancels_the_response_and_frees_capacity(tmp_path_factory: pytest.TempPathFactory):
+    echo_artifact = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
+    args = ["--max-concurrency", "1", "--max-pending-requests", "0", "--no-thinking", "--default-max-tokens", "400"]
+    [slow] = start_servers(tmp_path_factory.mktemp("responses-slow"), [(echo_artifact, args, {"NINFER_ECHO_DELAY_MS": "50"})],
+                           [ECHO_MODEL])
+    try:
+        words = " ".join(["alpha beta gamma delta"] * 60)  # 240 echoed tokens: ~12 s unless cancelled
+        body = {"model": ECHO_MODEL, "input": words, "stream": True}
+        with httpx.stream("POST", slow.url("/v1/responses"), json=body, timeout=60) as stream:
+            request_id = stream.headers["x-request-id"]
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.created":
+                    response_id = json.loads(line[6:])["response"]["id"]
+                if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":
+                    break  # leave while decoding
+        log = slow.wait_for_log(lambda text: f"request {request_id} openai_responses cancelled" in text)
+        assert f"request {request_id} openai_responses done" not in log
+        stored = post(slow, "/v1/responses", {"model": ECHO_MODEL, "input": "again", "max_output_tokens": 2})
+        assert stored.status_code == 200  # the one active lane was freed (no pending places: else this is a 429)
+        kept = httpx.get(slow.url(f"/v1/responses/{response_id}"), timeout=10)
+        assert kept.status_code == 200 and kept.json()["status"] == "cancelled"
+    finally:
+        assert slow.stop() == 0
