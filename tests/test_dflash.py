@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from ninfer.core.artifact import Artifact, open_model_source
+from ninfer.core.artifact import Artifact
 from ninfer.core.convert import convert_checkpoint
 from ninfer.core.dflash_companion import COMPANION_CONFIGS, DFlashConfig
-from ninfer.core.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from ninfer.core.engine.loader import artifact_tokenizer, build_drafter, eos_token_ids, load_engine
+from ninfer.core.engine import EngineConfig, GenerationRequest, SamplingParams
+from ninfer.core.engine.loader import load_engine
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError, WeightMismatchError
 from ninfer.core.plugins import load_plugin_manager
@@ -32,11 +32,11 @@ from ninfer.core.tiny import TinyOptions, write_tiny_artifact
 from ninfer.core.tokenizer import build_qwen_tokenizer_json
 from ninfer.plugins.qwen3_5.model import ForwardBatchError
 from ninfer.plugins.qwen3_5.runtime import load_runtime
+from speculation_support import assert_idle, drafter_for, make_engine, open_tiny, run
 from ninfer.plugins.qwen3_5.templates import template_source
 from ninfer.plugins.qwen3_5.tiny import make_tiny, tiny_dflash_config, tiny_dflash_tensors
 from test_qwen35_model import _config_dict, _hf_model, _state_dict, _write
 
-MAX_CONTEXT = 256
 PAGE_SIZE = 16
 
 
@@ -53,43 +53,16 @@ def dflash_path(tmp_path_factory, registries):
 
 @pytest.fixture(scope="module")
 def tiny(dflash_path, registries):
-    artifact = open_model_source(dflash_path)
-    runtime = registries.family_for(artifact.manifest).require("load_runtime")(artifact, LoadOptions())
-    yield artifact, runtime, artifact_tokenizer(artifact)
-    artifact.close()
-
-
-def make_engine(tiny, drafter=None, **options) -> Engine:
-    artifact, runtime, tokenizer = tiny
-    config = dict(max_concurrency=4, max_context=MAX_CONTEXT, pending_timeout_ms=None)
-    config.update(options)
-    return Engine(
-        runtime, EngineConfig(**config), tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest),
-        drafter=drafter,
-    )
+    yield from open_tiny(dflash_path, registries)
 
 
 def dflash(tiny, registries, k: int, lm_head_draft: bool = False):
-    return build_drafter(tiny[0], tiny[1], SpeculativeConfig("dflash", k, lm_head_draft), registries)
+    return drafter_for(tiny, registries, "dflash", k, lm_head_draft)
 
 
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(200, 150_000) for _ in range(n)] for n in (5, 17, 9, 30)]
 MAX_TOKENS = [14, 9, 16, 11]
-
-
-def run(engine: Engine, prompts: Seq[Seq[int]], max_tokens: Seq[int], **sampling):
-    handles = [
-        engine.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=m, **sampling)))
-        for p, m in zip(prompts, max_tokens)
-    ]
-    return [handle.result(120) for handle in handles]
-
-
-def assert_idle(engine: Engine) -> None:
-    memory = engine.stats().memory
-    assert memory.promised_pages == 0
-    assert memory.free_pages + memory.checkpoint_pages == memory.total_pages
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Sequence as Seq
 
 import pytest
 import torch
 
-from ninfer.core.artifact import open_model_source
-from ninfer.core.engine import BudgetClose, Engine, EngineConfig, GenerationRequest, SamplingParams
+from ninfer.core.engine import BudgetClose, EngineConfig, GenerationRequest, SamplingParams
 from ninfer.core.engine.acceptance import TargetDistribution, decide
-from ninfer.core.engine.loader import artifact_tokenizer, build_drafter, eos_token_ids, load_engine
+from ninfer.core.engine.loader import load_engine
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.core.errors import ConfigError
 from ninfer.core.plugins import load_plugin_manager
-from ninfer.core.runtime import KVCache, LoadOptions, StateCache
+from ninfer.core.runtime import KVCache, StateCache
 from ninfer.core.tiny import TinyOptions, write_tiny_artifact
 from live_server import start_servers
+from speculation_support import assert_idle, drafter_for, make_engine, open_tiny, run
 
-MAX_CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +40,11 @@ def mtp_path(tmp_path_factory, registries):
 
 @pytest.fixture(scope="module")
 def tiny(mtp_path, registries):
-    artifact = open_model_source(mtp_path)
-    runtime = registries.family_for(artifact.manifest).require("load_runtime")(artifact, LoadOptions())
-    yield artifact, runtime, artifact_tokenizer(artifact)
-    artifact.close()
-
-
-def make_engine(tiny, drafter=None, **options) -> Engine:
-    artifact, runtime, tokenizer = tiny
-    config = dict(max_concurrency=4, max_context=MAX_CONTEXT, pending_timeout_ms=None)
-    config.update(options)
-    return Engine(
-        runtime, EngineConfig(**config), tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest),
-        drafter=drafter,
-    )
+    yield from open_tiny(mtp_path, registries)
 
 
 def mtp(tiny, registries, k: int, lm_head_draft: bool = False):
-    return build_drafter(tiny[0], tiny[1], SpeculativeConfig("mtp", k, lm_head_draft), registries)
+    return drafter_for(tiny, registries, "mtp", k, lm_head_draft)
 
 
 def prompts_of(lengths, seed=0) -> list[list[int]]:
@@ -69,21 +54,6 @@ def prompts_of(lengths, seed=0) -> list[list[int]]:
 
 PROMPTS = prompts_of([5, 17, 9, 30])
 MAX_TOKENS = [14, 9, 16, 11]
-
-
-def run(engine: Engine, prompts: Seq[Seq[int]], max_tokens: Seq[int], **sampling):
-    handles = [
-        engine.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=m, **sampling)))
-        for p, m in zip(prompts, max_tokens)
-    ]
-    return [handle.result(120) for handle in handles]
-
-
-def assert_idle(engine: Engine) -> None:
-    memory = engine.stats().memory
-    assert memory.promised_pages == 0
-    assert memory.free_pages + memory.checkpoint_pages == memory.total_pages
-    assert memory.free_slots + memory.checkpoints == memory.total_slots
 
 
 class OracleDrafter:

@@ -1,0 +1,53 @@
+"""Shared helpers of the speculative-decoding tests: a tiny artifact with companion weights, engines over it,
+batched runs and the pool-idle check."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from ninfer.core.artifact import open_model_source
+from ninfer.core.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from ninfer.core.engine.loader import artifact_tokenizer, build_drafter, eos_token_ids
+from ninfer.core.engine.speculative import SpeculativeConfig
+from ninfer.core.runtime import LoadOptions
+
+MAX_CONTEXT = 256
+
+
+def open_tiny(path: Any, registries: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """Yield ``(artifact, runtime, tokenizer)`` of a tiny artifact, closing it afterwards (a fixture body)."""
+    artifact = open_model_source(path)
+    runtime = registries.family_for(artifact.manifest).require("load_runtime")(artifact, LoadOptions())
+    yield artifact, runtime, artifact_tokenizer(artifact)
+    artifact.close()
+
+
+def make_engine(tiny: tuple[Any, Any, Any], drafter: Any = None, **options: Any) -> Engine:
+    artifact, runtime, tokenizer = tiny
+    config = dict(max_concurrency=4, max_context=MAX_CONTEXT, pending_timeout_ms=None)
+    config.update(options)
+    return Engine(
+        runtime, EngineConfig(**config), tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest),
+        drafter=drafter,
+    )
+
+
+def drafter_for(tiny: tuple[Any, Any, Any], registries: Any, backend: str, k: int, lm_head_draft: bool = False) -> Any:
+    return build_drafter(tiny[0], tiny[1], SpeculativeConfig(backend, k, lm_head_draft), registries)
+
+
+def run(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], **sampling: Any) -> list[Any]:
+    """Submit every prompt at once and collect the outcomes in order."""
+    handles = [
+        engine.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=m, **sampling)))
+        for p, m in zip(prompts, max_tokens)
+    ]
+    return [handle.result(120) for handle in handles]
+
+
+def assert_idle(engine: Engine) -> None:
+    """No reservation outstanding; every page and slot is free or held by a checkpoint."""
+    memory = engine.stats().memory
+    assert memory.promised_pages == 0
+    assert memory.free_pages + memory.checkpoint_pages == memory.total_pages
+    assert memory.free_slots + memory.checkpoints == memory.total_slots
