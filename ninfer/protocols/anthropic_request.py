@@ -20,6 +20,7 @@ from ninfer.protocols.openai_chat_messages import (
     malformed,
     optional_bool,
     optional_int,
+    optional_list,
     optional_number,
     optional_object,
     optional_str,
@@ -217,11 +218,7 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise malformed("tools", f"expected an array, got {type_name(raw)}")
+    raw = optional_list(body, "tools")
     tools: list[ToolDefinition] = []
     for index, tool in enumerate(raw):
         parsed = _tool(tool, f"tools.{index}")

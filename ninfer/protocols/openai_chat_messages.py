@@ -72,6 +72,16 @@ def optional_object(body: Mapping[str, Any], key: str, param: str | None = None)
     return value
 
 
+def optional_list(body: Mapping[str, Any], key: str, param: str | None = None) -> list[Any]:
+    """The array at ``key`` ([] when absent or null)."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise malformed(param or key, f"expected an array, got {type_name(value)}")
+    return value
+
+
 def optional_number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
     value = body.get(key)
     if value is None:
@@ -238,11 +248,7 @@ def _function_name(function: Any, param: str) -> str:
 
 
 def _history_tool_calls(message: Mapping[str, Any], param: str) -> list[ToolCall]:
-    raw = message.get("tool_calls")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise malformed(f"{param}.tool_calls", f"expected an array, got {type_name(raw)}")
+    raw = optional_list(message, "tool_calls", f"{param}.tool_calls")
     calls = []
     for index, call in enumerate(raw):
         where = f"{param}.tool_calls[{index}]"
@@ -356,11 +362,7 @@ class MessageParser:
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise malformed("tools", f"expected an array, got {type_name(raw)}")
+    raw = optional_list(body, "tools")
     tools: list[ToolDefinition] = []
     for index, tool in enumerate(raw):
         where = f"tools[{index}]"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ninfer.core.conversation import ToolDefinition
-from ninfer.protocols.openai_chat_messages import malformed, optional_bool, optional_object, optional_str, \
+from ninfer.protocols.openai_chat_messages import malformed, optional_bool, optional_list, optional_object, optional_str, \
     type_name, unsupported
 
 NO_CONSTRAINED_DECODING = "ninfer does not constrain decoding"
@@ -51,11 +51,7 @@ def _hosted(kind: Any, param: str) -> Exception:
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
     """The request's tools in declaration order (namespace members in place of their group)."""
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise malformed("tools", f"expected an array, got {type_name(raw)}")
+    raw = optional_list(body, "tools")
     tools: list[ToolDefinition] = []
     for index, tool in enumerate(raw):
         where = f"tools[{index}]"
