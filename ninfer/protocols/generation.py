@@ -30,6 +30,7 @@ from ninfer.core.engine import (
     RequestTimings,
     TokensEvent,
 )
+from ninfer.core.engine.request import SessionKey
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -64,14 +65,15 @@ class ClientDisconnectedError(NinferError):
 
 @attrs.frozen
 class GenerationJob:
-    """What an adapter hands the glue: the normalized request, its protocol name (for records and logs) and
-    whether prompt-processing progress updates are wanted."""
+    """What an adapter hands the glue: the normalized request, its protocol name (for records and logs),
+    whether prompt-processing progress updates are wanted, and its Engine reuse session (if any)."""
 
     protocol: str
     conversation: Conversation
     options: GenerationOptions
     report_progress: bool = False
     stream: bool = False
+    session: SessionKey | None = None
 
 
 @attrs.frozen
@@ -250,6 +252,7 @@ class Generation:
                 report_progress=self.job.report_progress,
                 request_id=self.request_id,
                 checkpoint_offsets=self.prepared.checkpoint_offsets,
+                session=self.job.session,
             )
         except BaseException as exc:
             ticket.release()

@@ -5,18 +5,26 @@ One :class:`OutputBuilder` turns the frontend's decoder events into output Items
 the semantic events that build them, so an aggregate body and a stream of the same generation always agree: the
 concatenated deltas equal the terminal Items. Terminal Responses are kept in the bounded local store (unless
 ``store`` is false) together with their conversation context for ``previous_response_id``.
+
+Engine-local reuse: a stored root Response gets an Engine session key derived from its id, and every
+``previous_response_id`` child inherits it from the stored parent, so the chain's latest finished turn is the
+session's endpoint checkpoint, kept under cache pressure ahead of anonymous checkpoints. A store:false root has no
+session; a store:false child reads the chain's checkpoints but may not replace its endpoint. The key stays
+internal: it never appears in an HTTP body or stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import secrets
 import time
 from typing import Any, AsyncIterator, Mapping
 
 import falcon
 
+from ninfer.core.engine.request import SessionKey
 from ninfer.core.errors import InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -51,6 +59,21 @@ _PARAM_ALIASES = {"messages": "input", "reasoning_effort": "reasoning.effort", "
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def root_session_key(response_id: str) -> str:
+    """The Engine session key of a stored root Response: a 16-byte BLAKE2b digest of its id, in hex."""
+    return hashlib.blake2b(response_id.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def chain_session(request: ResponsesRequest, response_id: str, parent: StoredResponse | None) -> SessionKey | None:
+    """The Engine session of a Create: a stored root starts one, a child inherits its parent's (read-only when
+    the child is store:false), a store:false root stays anonymous."""
+    if parent is None:
+        return SessionKey(root_session_key(response_id)) if request.store else None
+    if parent.session_key is None:
+        return None
+    return SessionKey(parent.session_key, may_replace_endpoint=request.store)
 
 
 def response_status(result: GenerationResult) -> str:
@@ -250,15 +273,19 @@ def _rename_param(error: NinferError) -> NinferError:
 
 
 class ResponseRun:
-    """One Create request's generation, Items, terminal object and store write."""
+    """One Create request's generation, Items, terminal object and store write; ``parent`` is the stored
+    ``previous_response_id`` Response (None for a root)."""
 
-    def __init__(self, context: Any, request: ResponsesRequest, request_id: str) -> None:
+    def __init__(self, context: Any, request: ResponsesRequest, request_id: str,
+                 parent: StoredResponse | None = None) -> None:
         self.context = context
         self.request = request
         self.response_id = new_id("resp")
         self.created_at = int(time.time())
         self.builder = OutputBuilder()
-        job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream)
+        self.session = chain_session(request, self.response_id, parent)
+        job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream,
+                            session=self.session)
         self.generation = Generation(context, job, request_id)
 
     def snapshot(self, status: str, **fields: Any) -> dict[str, Any]:
@@ -301,7 +328,8 @@ class ResponseRun:
         segment = ContextSegment(parent.segment if parent is not None else None,
                                  (*self.request.input_items, *copy.deepcopy(self.builder.items)),
                                  len(self.request.input_items))
-        record = StoredResponse(self.response_id, copy.deepcopy(body), segment, result.prepared.preserve_thinking)
+        record = StoredResponse(self.response_id, copy.deepcopy(body), segment, result.prepared.preserve_thinking,
+                                self.session.key if self.session is not None else None)
         _store(self.context).put(record)
 
 
@@ -348,14 +376,20 @@ class _Resource:
         self.context = context
         self.max_body_bytes = context.config.max_request_mib * MIB
 
-    async def parse(self, req: Any, *, count_only: bool = False) -> ResponsesRequest:
+    async def parse(self, req: Any, *, count_only: bool = False) -> tuple[ResponsesRequest, StoredResponse | None]:
+        """The parsed request and the stored ``previous_response_id`` Response it continues (None for a root)."""
         body = await read_json_object(req, self.max_body_bytes)
-        return parse_responses_request(body, model_id=self.context.model_id, vision=bool(self.context.config.vision),
-                                       lookup=self.parent, count_only=count_only)
+        parents: list[StoredResponse] = []
 
-    def parent(self, response_id: str) -> ParentContext:
-        record = _store(self.context).get(response_id, param="previous_response_id")
-        return ParentContext(record.context.history(), record.preserve_thinking, record.context)
+        def lookup(response_id: str) -> ParentContext:
+            record = _store(self.context).get(response_id, param="previous_response_id")
+            parents.append(record)
+            return ParentContext(record.context.history(), record.preserve_thinking, record.context)
+
+        request = parse_responses_request(body, model_id=self.context.model_id,
+                                          vision=bool(self.context.config.vision), lookup=lookup,
+                                          count_only=count_only)
+        return request, parents[-1] if parents else None
 
 
 def _json(resp: Any, body: Any) -> None:
@@ -366,7 +400,8 @@ def _json(resp: Any, body: Any) -> None:
 
 class CreateResource(_Resource):
     async def on_post(self, req: Any, resp: Any) -> None:
-        run = ResponseRun(self.context, await self.parse(req), req.context.request_id)
+        request, parent = await self.parse(req)
+        run = ResponseRun(self.context, request, req.context.request_id, parent)
         if run.request.stream:
             await self._stream(req, resp, run)
             return
@@ -389,7 +424,7 @@ class CreateResource(_Resource):
 
 class InputTokensResource(_Resource):
     async def on_post(self, req: Any, resp: Any) -> None:
-        request = await self.parse(req, count_only=True)
+        request, _parent = await self.parse(req, count_only=True)
         count_tokens = getattr(self.context.frontend, "count_tokens", None)
         if count_tokens is None:
             raise NotYetAvailableError("input-token counting is not yet available for this model family's frontend")

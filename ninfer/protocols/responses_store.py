@@ -72,12 +72,17 @@ class ContextSegment:
 
 @attrs.define(eq=False)
 class StoredResponse:
-    """A retained terminal Response: wire object, context chain and resolved ``preserve_thinking``."""
+    """A retained terminal Response: wire object, context chain and resolved ``preserve_thinking``.
+
+    ``session_key`` is the chain's internal Engine session key (never part of ``body``): derived from the root's
+    response id and inherited by every ``previous_response_id`` child.
+    """
 
     response_id: str
     body: Mapping[str, Any]
     context: ContextSegment
     preserve_thinking: bool | None
+    session_key: str | None = None
     envelope_size: int = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:

@@ -2,8 +2,8 @@
 
 Admission reserves a request's full prompt + effective-output page entitlement up front: the pages it
 will allocate are *promised*, and a new request is admitted only when ``free - promised`` covers its own
-fresh pages (after evicting prefix checkpoints, least recently used first). An admitted request therefore
-never waits for memory.
+fresh pages (after evicting prefix checkpoints: anonymous ones least recently used first, then session
+endpoints). An admitted request therefore never waits for memory.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class EngineMemory:
             return False
         fresh = pages_for(seq.reserved_tokens, self.page_size) - reused
         while self.pages.free_count - self.promised < fresh:
-            if not self.cache.evict_lru(keep=hit):
+            if not self.cache.evict(keep=hit):
                 return False
         seq.slot = self.slots.acquire()
         self.promised += fresh
@@ -194,12 +194,19 @@ class EngineMemory:
         self.cache.capture(seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False)
 
     def release(self, seq: Sequence, *, checkpoint: bool) -> None:
-        """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint."""
+        """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint.
+
+        The checkpoint becomes the endpoint of the request's session when that session may replace it.
+        """
         if seq.slot is None:
             return
         kept = False
         if checkpoint and seq.fed > 0 and seq.last_logits is not None and seq.last_logits_at == seq.fed:
-            kept = self.cache.capture(seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True)
+            session = seq.request.session
+            endpoint_of = session.key if session is not None and session.may_replace_endpoint else None
+            kept = self.cache.capture(
+                seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of
+            )
         for page in seq.pages:
             self.pages.release(page)
         seq.pages = []

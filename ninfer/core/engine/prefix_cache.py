@@ -2,8 +2,14 @@
 
 A hybrid model can only resume where a recurrent-state snapshot exists, so reuse is checkpoint-based:
 a request whose prompt starts with (or equals) a checkpoint's exact tokens restores it and prefills only
-the rest. Checkpoints live in the H spare StateImage slots; the least recently used one is evicted when a
-slot is needed or when KV pages are short.
+the rest. Checkpoints live in the H spare StateImage slots; one is evicted when a slot is needed or when
+KV pages are short.
+
+A checkpoint may be a session *endpoint*: the latest finished turn of an engine-local reuse session (a
+stored Responses chain). Each session has at most one endpoint; a new one demotes the previous endpoint to
+an ordinary anonymous checkpoint. Eviction takes the least recently used anonymous checkpoint first and a
+session endpoint (least recently used) only when no anonymous one is left, so the number of sessions kept
+is bounded by the capacity itself. Sessions never change lookup: it is by exact token prefix only.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ class Checkpoint:
     slot: int
     logits: torch.Tensor  # [V] fp32: the next-token logits after tokens[-1]
     last_used: int
+    session: str | None = None  # the session whose endpoint this is; None: anonymous
 
 
 class PrefixCache:
-    """At most ``capacity`` checkpoints, LRU-evicted."""
+    """At most ``capacity`` checkpoints; anonymous ones are evicted (LRU) before session endpoints (LRU)."""
 
     def __init__(self, capacity: int, page_size: int, pages: PagePool, slots: SlotPool, state: StateCache) -> None:
         self.capacity = capacity
@@ -43,6 +50,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def endpoint(self, session: str) -> Checkpoint | None:
+        """The current endpoint of ``session``, if it is retained."""
+        return next((entry for entry in self._entries if entry.session == session), None)
 
     @property
     def held_pages(self) -> int:
@@ -73,13 +84,21 @@ class PrefixCache:
         return best
 
     def capture(
-        self, tokens: Sequence[int], pages: Sequence[int], slot: int, logits: torch.Tensor, *, take_slot: bool
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        slot: int,
+        logits: torch.Tensor,
+        *,
+        take_slot: bool,
+        session: str | None = None,
     ) -> bool:
         """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
 
         ``take_slot`` hands the slot itself to the cache (a finished request); otherwise the state is
-        copied into a spare slot. Returns False (and takes nothing) when there is no room or an identical
-        checkpoint exists.
+        copied into a spare slot. With ``session`` the checkpoint becomes that session's endpoint (an
+        identical existing checkpoint is promoted instead) and the previous endpoint turns anonymous.
+        Returns False (and takes nothing) when there is no room or an identical checkpoint exists.
         """
         if self.capacity == 0 or not tokens:
             return False
@@ -87,9 +106,13 @@ class PrefixCache:
         for entry in self._entries:
             if entry.tokens == key:
                 entry.last_used = self._tick()
+                if session is not None:
+                    self._make_endpoint(entry, session)
                 return False
+        if session is not None:
+            self._demote(session)
         while len(self._entries) >= self.capacity:
-            self.evict_lru()
+            self.evict()
         if take_slot:
             snapshot_slot = slot
         else:
@@ -98,15 +121,29 @@ class PrefixCache:
         kept_pages = list(pages[: pages_for(len(key), self.page_size)])
         for page in kept_pages:
             self._pages.ref(page)
-        self._entries.append(Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick()))
+        entry = Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session)
+        self._entries.append(entry)
         return True
 
-    def evict_lru(self, keep: Checkpoint | None = None) -> bool:
-        """Drop the least recently used checkpoint other than ``keep``; False when there is none."""
+    def _make_endpoint(self, entry: Checkpoint, session: str) -> None:
+        if entry.session == session:
+            return
+        self._demote(session)
+        entry.session = session
+
+    def _demote(self, session: str) -> None:
+        """The current endpoint of ``session`` (if any) becomes an ordinary anonymous checkpoint."""
+        previous = self.endpoint(session)
+        if previous is not None:
+            previous.session = None
+
+    def evict(self, keep: Checkpoint | None = None) -> bool:
+        """Drop one checkpoint other than ``keep``: the least recently used anonymous one, else the least
+        recently used session endpoint; False when there is none."""
         candidates = [entry for entry in self._entries if entry is not keep]
         if not candidates:
             return False
-        victim = min(candidates, key=lambda entry: entry.last_used)
+        victim = min(candidates, key=lambda entry: (entry.session is not None, entry.last_used))
         self._drop(victim)
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal, Sequence
 
 import attrs
@@ -17,6 +18,9 @@ TOP_K_CAP = 20
 MAX_STOP_STRINGS = 4
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+#: Longest accepted session key: room for a 32-byte hash in hex.
+MAX_SESSION_KEY_CHARS = 64
+_SESSION_KEY = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_KEY_CHARS}}}")
 
 
 def _invalid(param: str, message: str) -> InvalidRequestError:
@@ -114,12 +118,41 @@ class BudgetClose:
 
 
 @attrs.frozen
+class SessionKey:
+    """An engine-local reuse session (e.g. a stored Responses chain) the request belongs to.
+
+    A finished request whose session ``may_replace_endpoint`` leaves its checkpoint as the session's *endpoint*,
+    which prefix-cache pressure evicts only after every anonymous checkpoint; a request that may not replace it
+    (a store:false child) reads checkpoints normally and leaves an anonymous one. ``key`` is a bounded token
+    (at most 64 ASCII letters, digits, ``-`` or ``_``), never a prefix identity: lookup stays by exact tokens.
+    """
+
+    key: str
+    may_replace_endpoint: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.key, str) or not _SESSION_KEY.fullmatch(self.key):
+            raise _invalid(
+                "session.key",
+                f"expected 1..{MAX_SESSION_KEY_CHARS} ASCII letters, digits, '-' or '_', got {self.key!r:.80}",
+            )
+        if not isinstance(self.may_replace_endpoint, bool):
+            raise _invalid("session.may_replace_endpoint", f"expected a boolean, got {self.may_replace_endpoint!r}")
+
+
+def _check_session(_instance: Any, _attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, SessionKey):
+        raise _invalid("session", f"expected a SessionKey or None, got {type(value).__name__}")
+
+
+@attrs.frozen
 class GenerationRequest:
     """One generation: prompt token ids, sampling, an optional budget-close policy.
 
     ``report_progress`` publishes :class:`ProgressEvent` after admission and after every prefill chunk.
     ``checkpoint_offsets`` are prompt frontiers (token counts) where prefill stops a chunk and captures a reusable
     checkpoint (explicit cache breakpoints); frontiers outside the computed part of the prompt are ignored.
+    ``session`` marks the request as part of an engine-local reuse session (see :class:`SessionKey`).
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
@@ -128,6 +161,7 @@ class GenerationRequest:
     report_progress: bool = False
     request_id: str | None = None
     checkpoint_offsets: tuple[int, ...] = attrs.field(default=(), converter=lambda values: tuple(sorted(set(values))))
+    session: SessionKey | None = attrs.field(default=None, validator=_check_session)
 
 
 @attrs.frozen
