@@ -321,8 +321,6 @@ def test_make_tiny_dflash_round_trip(tiny, registries):
     names = [n for n in artifact.tensor_names if n.startswith("dflash.")]
     assert artifact.tensor_info("dflash.fc.weight").shape == (64, 64 * 3)
     assert len(names) == 3 + 11 * 2
-    with pytest.raises(NotYetAvailableError, match="dflash2"):
-        write_tiny_artifact(Path("/nonexistent/x.ninfer"), TinyOptions(dflash2=True), registries)
 
 
 def _hf_directory(directory: Path) -> Path:
@@ -382,7 +380,7 @@ def test_convert_rejects_a_drafter_that_does_not_fit(tmp_path, hf_dir):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightMismatchError, match="missing layers.2"):
         convert_checkpoint(hf_dir, tmp_path / "c.ninfer", drafters={"dflash": broken})
-    with pytest.raises(NotYetAvailableError, match="dflash2"):
+    with pytest.raises(ArtifactError, match="carry it with --dflash$"):
         convert_checkpoint(hf_dir, tmp_path / "d.ninfer", drafters={"dflash2": broken})
     assert not any((tmp_path / f"{name}.ninfer").exists() for name in "abcd")
 
@@ -392,7 +390,7 @@ def test_drafter_config_defaults_and_refusals():
     untapped = {**base, "num_hidden_layers": 5, "layer_types": ["full_attention"] * 5, "num_target_layers": 64,
                 "dflash_config": {"mask_token_id": 248070}}
     assert DFlashConfig.from_dict(untapped, "cfg").target_layer_ids == (1, 16, 31, 46, 61)  # the z-lab default
-    with pytest.raises(ArtifactError, match="DFlash2 drafters are not yet supported"):
+    with pytest.raises(ArtifactError, match="it is a DFlash2DraftModel drafter: carry it with --dflash2"):
         DFlashConfig.from_dict({**base, "architectures": ["DFlash2DraftModel"]}, "cfg")
     with pytest.raises(ArtifactError, match="sliding_window"):
         DFlashConfig.from_dict({**base, "sliding_window": None}, "cfg")

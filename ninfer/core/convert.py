@@ -40,7 +40,8 @@ def convert_checkpoint(
     """Validate the checkpoint in ``hf_dir``, then write it to ``out_path`` as a .ninfer file; returns the path.
 
     ``progress(done_bytes, total_bytes)`` is called as tensor data is written. ``drafters`` maps a companion name
-    (``"dflash"``) to a drafter directory whose tensors and config are carried along (``dflash.*``).
+    (``"dflash"`` or ``"dflash2"``) to a z-lab drafter directory of that architecture whose tensors and config are
+    carried along (``dflash.*`` / ``dflash2.*``).
     """
     from ninfer.core.dflash_companion import DrafterDirectory
 

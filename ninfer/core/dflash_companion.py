@@ -1,15 +1,20 @@
-"""DFlash drafter companions: the z-lab drafter format, carried into a .ninfer artifact next to its target.
+"""DFlash and DFlash2 drafter companions: the z-lab drafter format, carried into a .ninfer artifact next to its target.
 
 A z-lab DFlash drafter directory holds a ``config.json`` (a Qwen3-style decoder config plus ``block_size``,
 ``num_target_layers``, ``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``)
 and safetensors with ``fc``, ``hidden_norm``, ``norm`` and ``layers.{i}.*``; it has no embedding and no lm_head of
-its own. In the artifact its tensors are named ``dflash.<name>`` and its ``config.json`` is kept verbatim under
-``manifest.config["companion_configs"]["dflash"]``; ``manifest.companions`` lists ``"dflash"``.
+its own. A DFlash2 drafter (``DFlash2DraftModel``) adds, per layer, the two-tap grouped dynamic convolutions
+``attention_conv`` / ``mlp_conv`` and, once, the ``candidate_selector`` codebooks (``dflash_config`` gains
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k`` and optionally ``output_multiplier``
+and ``final_logit_softcapping``). In the artifact a companion's tensors are named ``<companion>.<name>`` (``dflash.``
+or ``dflash2.``) and its ``config.json`` is kept verbatim under ``manifest.config["companion_configs"][companion]``;
+``manifest.companions`` lists the companion name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,7 +22,7 @@ from typing import Any, Mapping
 import attrs
 
 from ninfer.core.artifact import Manifest, MappedSafetensors, TensorEntry, TensorInfo
-from ninfer.core.errors import ArtifactError, NotYetAvailableError, WeightMismatchError
+from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError, WeightMismatchError
 
 #: Key of ``manifest.config`` under which companion drafters' own configs are stored, by companion name.
 COMPANION_CONFIGS = "companion_configs"
@@ -51,21 +56,15 @@ class DFlashConfig:
     mask_token_id: int
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], source: str) -> "DFlashConfig":
-        """Validate a drafter ``config.json``; every problem is an ArtifactError naming ``source``."""
+    def from_dict(cls, config: Mapping[str, Any], source: str, companion: str = "dflash") -> "DFlashConfig":
+        """Validate the DFlash facts of a drafter ``config.json`` whose architecture is ``companion``'s; every
+        problem is an ArtifactError naming ``source``."""
 
         def integer(key: str, value: Any = None, minimum: int = 1) -> int:
             value = config.get(key) if value is None else value
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ArtifactError(f"{source}: {key!r} must be an integer >= {minimum}, got {value!r}")
-            return value
+            return _integer(key, value, minimum, source)
 
-        architectures = config.get("architectures") or []
-        if "DFlashDraftModel" not in architectures:
-            detail = "DFlash2 drafters are not yet supported" if "DFlash2DraftModel" in architectures else ""
-            raise ArtifactError(
-                f"{source}: architectures {architectures!r} is not ['DFlashDraftModel'] {detail}".rstrip()
-            )
+        _check_architecture(config, companion, source)
         dflash = config.get("dflash_config")
         if not isinstance(dflash, Mapping):
             raise ArtifactError(f"{source}: 'dflash_config' (with mask_token_id and target_layer_ids) is missing")
@@ -105,7 +104,7 @@ class DFlashConfig:
             rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10_000.0))),
             layer_types=layer_types,
             sliding_window=sliding,
-            block_size=integer("block_size", minimum=2),
+            block_size=integer("block_size", dflash.get("block_size"), minimum=2),
             num_target_layers=config.get("num_target_layers"),
             target_layer_ids=tuple(target_ids),
             mask_token_id=integer("mask_token_id", dflash.get("mask_token_id"), minimum=0),
@@ -153,6 +152,137 @@ class DFlashConfig:
         return shapes
 
 
+@attrs.frozen
+class DFlash2Config:
+    """A DFlash2 drafter: the DFlash facts plus its convolutions' and candidate selector's facts."""
+
+    dflash: DFlashConfig
+    vocab_size: int
+    conv_kernel_size: int  # taps of each grouped dynamic causal convolution
+    conv_group_size: int  # channels sharing one dynamic tap weight
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float
+    final_logit_softcapping: float | None
+
+    @property
+    def conv_groups(self) -> int:
+        return self.dflash.hidden_size // self.conv_group_size
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], source: str) -> "DFlash2Config":
+        """Validate a DFlash2 drafter ``config.json`` (``dflash_config`` values win over top-level ones)."""
+        dflash = DFlashConfig.from_dict(config, source, "dflash2")
+        extra: Mapping[str, Any] = config["dflash_config"]
+
+        def value(key: str, default: Any = None) -> Any:
+            return extra.get(key, config.get(key, default))
+
+        def number(key: str, default: float | None) -> float | None:
+            found = value(key, default)
+            if found is None:
+                return None
+            if isinstance(found, bool) or not isinstance(found, (int, float)) or not math.isfinite(found):
+                raise ArtifactError(f"{source}: {key!r} must be a finite number, got {found!r}")
+            return float(found)
+
+        for key, default, supported in _UNSUPPORTED_DFLASH2:
+            if value(key, default) not in supported:
+                raise NotYetAvailableError(
+                    f"{source}: DFlash2 drafters with {key}={value(key)!r} are not yet available"
+                )
+        vocab = _integer("vocab_size", config.get("vocab_size"), 1, source)
+        kernel = _integer("conv_kernel_size", value("conv_kernel_size"), 1, source)
+        group = _integer("conv_group_size", value("conv_group_size"), 1, source)
+        top_k = _integer("selector_top_k", value("selector_top_k"), 1, source)
+        if dflash.hidden_size % group:
+            raise ArtifactError(
+                f"{source}: hidden_size {dflash.hidden_size} is not a multiple of conv_group_size {group}"
+            )
+        if kernel > dflash.block_size:
+            raise ArtifactError(f"{source}: conv_kernel_size {kernel} exceeds block_size {dflash.block_size}")
+        if top_k > vocab:
+            raise ArtifactError(f"{source}: selector_top_k {top_k} exceeds vocab_size {vocab}")
+        softcap = number("final_logit_softcapping", None)
+        if softcap is not None and softcap <= 0:
+            raise ArtifactError(f"{source}: 'final_logit_softcapping' must be positive, got {softcap}")
+        multiplier = number("output_multiplier", 1.0)
+        assert multiplier is not None
+        return cls(
+            dflash=dflash,
+            vocab_size=vocab,
+            conv_kernel_size=kernel,
+            conv_group_size=group,
+            selector_rank=_integer("selector_rank", value("selector_rank"), 1, source),
+            selector_top_k=top_k,
+            output_multiplier=multiplier,
+            final_logit_softcapping=softcap,
+        )
+
+    def check_target(self, hidden_size: int, num_layers: int, vocab_size: int, source: str) -> None:
+        """The drafter fits a target of this width, depth and vocabulary (its codebooks cover the vocabulary)."""
+        self.dflash.check_target(hidden_size, num_layers, vocab_size, source)
+        if vocab_size != self.vocab_size:
+            raise WeightMismatchError(
+                f"{source}: the DFlash2 drafter's vocab_size {self.vocab_size} differs from the target's {vocab_size}"
+            )
+
+    def tensor_shapes(self) -> Shapes:
+        """Every drafter tensor (z-lab names, no prefix) with its shape: DFlash's, the convs and the selector."""
+        hidden, taps, rank = self.dflash.hidden_size, self.conv_kernel_size, self.selector_rank
+        shapes = self.dflash.tensor_shapes()
+        for index in range(self.dflash.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                prefix = f"layers.{index}.{conv}."
+                shapes[prefix + "base_kernel"] = (2, taps, hidden)
+                shapes[prefix + "kernel_projection.weight"] = (2 * taps * self.conv_groups, hidden)
+        shapes.update({
+            "candidate_selector.predecessor_codebook": (self.vocab_size, rank),
+            "candidate_selector.successor_codebook": (self.vocab_size, rank),
+            "candidate_selector.hidden_projection.weight": (rank, hidden),
+        })
+        return shapes
+
+
+#: DFlash2 config variants other ports know and ninfer does not run: (key, default, supported values).
+_UNSUPPORTED_DFLASH2 = (
+    ("sample_from_anchor", False, (False, None)),
+    ("attention_mode", "gqa", ("gqa",)),
+    ("shift_label", False, (False, None)),
+    ("pure_draft_prefix_len", 0, (0, None)),
+    ("projector_type", None, (None,)),
+    ("input_embedding_scale", 1.0, (1, 1.0)),
+)
+
+DrafterConfig = DFlashConfig | DFlash2Config
+_CONFIG_READERS = {"dflash": DFlashConfig.from_dict, "dflash2": DFlash2Config.from_dict}
+
+
+def read_drafter_config(raw: Mapping[str, Any], companion: str, source: str) -> DrafterConfig:
+    """The validated config of companion ``companion`` (``"dflash"`` or ``"dflash2"``)."""
+    reader = _CONFIG_READERS.get(companion)
+    if reader is None:
+        raise ConfigError(f"unknown drafter companion {companion!r}; expected one of {sorted(_CONFIG_READERS)}")
+    return reader(raw, source)
+
+
+def _integer(key: str, value: Any, minimum: int, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ArtifactError(f"{source}: {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_architecture(config: Mapping[str, Any], companion: str, source: str) -> None:
+    """``config`` declares ``companion``'s drafter architecture; a sibling's is named with its flag."""
+    architectures = config.get("architectures") or []
+    expected = COMPANION_ARCHITECTURES[companion]
+    if expected in architectures:
+        return
+    other = next((name for name, arch in COMPANION_ARCHITECTURES.items() if arch in architectures), None)
+    hint = f"; it is a {COMPANION_ARCHITECTURES[other]} drafter: carry it with --{other}" if other else ""
+    raise ArtifactError(f"{source}: architectures {architectures!r} is not [{expected!r}]{hint}")
+
+
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """z-lab's default taps when a config gives none: ``count`` layers spread from 1 to ``num_target_layers - 3``."""
     if count < 2:
@@ -182,19 +312,18 @@ def check_tensors(expected: Shapes, found: Mapping[str, TensorInfo], source: str
 
 
 class DrafterDirectory:
-    """A z-lab DFlash drafter directory opened for conversion: its config and zero-copy tensor entries."""
+    """A z-lab DFlash or DFlash2 drafter directory opened for conversion (companion ``name``): its config and
+    zero-copy tensor entries."""
 
     def __init__(self, path: str | os.PathLike[str], name: str = "dflash") -> None:
         from ninfer.core.hf_checkpoint import CONFIG_FILE, read_shards
 
-        if name != "dflash":
-            raise NotYetAvailableError(
-                f"--{name} companion weights are not yet available: only --dflash is implemented"
-            )
+        if name not in COMPANION_ARCHITECTURES:
+            raise ConfigError(f"unknown drafter companion {name!r}; expected one of {sorted(COMPANION_ARCHITECTURES)}")
         self.name = name
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ArtifactError(f"{self.path}: no such directory; expected a DFlash drafter directory")
+            raise ArtifactError(f"{self.path}: no such directory; expected a {COMPANION_ARCHITECTURES[name]} directory")
         config_path = self.path / CONFIG_FILE
         try:
             self.raw_config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
@@ -202,7 +331,7 @@ class DrafterDirectory:
             raise ArtifactError(f"{config_path}: cannot read the drafter config ({exc})") from None
         if not isinstance(self.raw_config, dict):
             raise ArtifactError(f"{config_path}: the drafter config must be a JSON object")
-        self.config = DFlashConfig.from_dict(self.raw_config, str(config_path))
+        self.config = read_drafter_config(self.raw_config, name, str(config_path))
         self.shards = read_shards(self.path)
         self._located = {
             _RENAMED.get(tensor, tensor): (shard, info)

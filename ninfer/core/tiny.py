@@ -15,7 +15,6 @@ from ninfer.core.artifact import (
     tensor_entries,
     write_artifact,
 )
-from ninfer.core.errors import NotYetAvailableError
 from ninfer.core.plugins import Registries
 
 TEMPLATE_CHOICES = ("qwen3_6", "qwen3_8")
@@ -56,12 +55,8 @@ def write_tiny_artifact(out: str | os.PathLike[str], options: TinyOptions, regis
         from ninfer.core.errors import ConfigError
 
         raise ConfigError(f"unknown model family {options.family!r}; choose one of: {', '.join(registries.model_families)}")
-    if options.dflash2:
-        raise NotYetAvailableError(
-            "--dflash2 companion weights are not yet available: the dflash2 drafter has not been implemented"
-        )
     tiny = family.require("make_tiny")(options)
-    companions = tuple(name for name in ("mtp", "dflash") if getattr(options, name))
+    companions = tuple(name for name in ("mtp", "dflash", "dflash2") if getattr(options, name))
     manifest = Manifest(
         identity=Identity(options.model_id),
         architecture=tiny.architecture,

@@ -1,4 +1,4 @@
-"""Built-in speculative-decoding backends: MTP and DFlash (available), DFlash2 (drafter not yet available)."""
+"""Built-in speculative-decoding backends: MTP, DFlash and DFlash2."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def _build_dflash_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
     from ninfer.plugins.qwen3_5.dflash_drafter import build_dflash_drafter
 
     return build_dflash_drafter(runtime, artifact, config)
+
+
+def _build_dflash2_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
+    from ninfer.plugins.qwen3_5.dflash2_drafter import build_dflash2_drafter
+
+    return build_dflash2_drafter(runtime, artifact, config)
 
 
 @hookimpl
@@ -45,6 +51,7 @@ def ninfer_speculative_backends() -> list[SpeculativeBackend]:
             max_draft_tokens=15,
             companion_prefix="dflash2.",
             description="DFlash with two-tap dynamic convolutions and a top-16 candidate walk (companion weights)",
-            supports_lm_head_draft=False,
+            supports_lm_head_draft=False,  # the candidate selector walks the full target vocabulary
+            build_drafter=_build_dflash2_drafter,
         ),
     ]

@@ -11,13 +11,13 @@ context keys less than ``sliding_window`` positions behind the query.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.core.dflash_companion import SLIDING_ATTENTION, DFlashConfig, companion_config
+from ninfer.core.dflash_companion import SLIDING_ATTENTION, DFlashConfig, companion_config, read_drafter_config
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import AttentionLayerSpec, KVCache, RuntimeSpec
 from ninfer.kernels.attention import write_paged_kv
@@ -27,6 +27,8 @@ from ninfer.kernels.rope import apply_rotary, rope_inverse_frequencies, rotary_c
 from ninfer.plugins.qwen3_5.model import Qwen35Model, WeightLoader
 
 DFLASH_PREFIX = "dflash."
+
+TakeTensor = Callable[..., torch.Tensor]
 
 
 @attrs.frozen
@@ -54,8 +56,27 @@ class DraftRow:
     pages: Sequence[int]
 
 
+@attrs.frozen
+class DraftBlock:
+    """The rows of one draft forward, prepared once for every layer: block tokens and positions concatenated by
+    row, their rotary tables, each row's context page ids and each token's index within its row's block."""
+
+    rows: Sequence[DraftRow]
+    tokens: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    pages: list[torch.Tensor]
+    offsets: torch.Tensor
+
+
 class DFlashModel:
-    """The drafter's weights and forwards; ``spec`` describes its paged context KV (one attention layer per layer)."""
+    """The drafter's weights and forwards; ``spec`` describes its paged context KV (one attention layer per layer).
+
+    Subclasses (DFlash2) name their own ``companion`` and config reader, add weights in :meth:`_from_weights` and
+    reshape a layer in :meth:`_layer_forward`.
+    """
+
+    companion = "dflash"
+    label = "DFlash"
 
     def __init__(self, target: Qwen35Model, config: DFlashConfig, fc: torch.Tensor, hidden_norm: torch.Tensor,
                  norm: torch.Tensor, layers: tuple[DFlashLayer, ...]) -> None:
@@ -82,40 +103,29 @@ class DFlashModel:
         self._axis = torch.zeros(config.head_dim // 2, dtype=torch.int64, device=target.device)
 
     @classmethod
-    def load(cls, loader: WeightLoader, target: Qwen35Model) -> "DFlashModel | None":
-        """The drafter of ``loader``'s artifact, or None when it carries no ``dflash.*`` tensors and no config."""
-        present = any(name.startswith(DFLASH_PREFIX) for name in loader.present)
-        raw = companion_config(loader.artifact.manifest, "dflash")
+    def load(cls, loader: WeightLoader, target: Qwen35Model) -> Any:
+        """The drafter of ``loader``'s artifact (an instance of ``cls``), or None when it carries no
+        ``<companion>.*`` tensors and no config."""
+        prefix = cls.companion + "."
+        present = any(name.startswith(prefix) for name in loader.present)
+        raw = companion_config(loader.artifact.manifest, cls.companion)
         if not present and raw is None:
             return None
-        source = f"{loader.artifact.path} (dflash companion)"
+        source = f"{loader.artifact.path} ({cls.companion} companion)"
         if raw is None:
-            raise ConfigError(f"{source}: the artifact has dflash.* tensors but no stored DFlash config")
-        config = DFlashConfig.from_dict(raw, source)
+            raise ConfigError(f"{source}: the artifact has {prefix}* tensors but no stored {cls.label} config")
+        config = read_drafter_config(raw, cls.companion, source)
         trunk = target.config
         config.check_target(trunk.hidden_size, trunk.num_hidden_layers, trunk.vocab_size, source)
-        expected = {DFLASH_PREFIX + name: shape for name, shape in config.tensor_shapes().items()}
+        expected = {prefix + name: shape for name, shape in config.tensor_shapes().items()}
         loader.check(expected)
-        loader.check_no_extras(expected, within=DFLASH_PREFIX)
-        take = lambda name: loader.take(DFLASH_PREFIX + name)  # noqa: E731
-        layers = []
-        for index, kind in enumerate(config.layer_types):
-            prefix = f"layers.{index}."
-            layers.append(DFlashLayer(
-                input_layernorm=take(prefix + "input_layernorm.weight"),
-                post_attention_layernorm=take(prefix + "post_attention_layernorm.weight"),
-                q_proj=take(prefix + "self_attn.q_proj.weight"),
-                k_proj=take(prefix + "self_attn.k_proj.weight"),
-                v_proj=take(prefix + "self_attn.v_proj.weight"),
-                o_proj=take(prefix + "self_attn.o_proj.weight"),
-                q_norm=take(prefix + "self_attn.q_norm.weight"),
-                k_norm=take(prefix + "self_attn.k_norm.weight"),
-                gate_proj=take(prefix + "mlp.gate_proj.weight"),
-                up_proj=take(prefix + "mlp.up_proj.weight"),
-                down_proj=take(prefix + "mlp.down_proj.weight"),
-                window=config.sliding_window if kind == SLIDING_ATTENTION else None,
-            ))
-        return cls(target, config, take("fc.weight"), take("hidden_norm.weight"), take("norm.weight"), tuple(layers))
+        loader.check_no_extras(expected, within=prefix)
+        return cls._from_weights(target, config, lambda name, dtype=None: loader.take(prefix + name, dtype))
+
+    @classmethod
+    def _from_weights(cls, target: Qwen35Model, config: Any, take: TakeTensor) -> Any:
+        layers = load_layers(config, take)
+        return cls(target, config, take("fc.weight"), take("hidden_norm.weight"), take("norm.weight"), layers)
 
     # -- pieces --------------------------------------------------------------------------------------
 
@@ -149,24 +159,41 @@ class DFlashModel:
     def draft_hidden(self, rows: Sequence[DraftRow], kv: KVCache) -> torch.Tensor:
         """One non-causal forward over each row's block; returns the final-normed hidden states ``[T, H]`` of all
         block tokens (concatenated by row). Row ``r``'s context KV covers positions ``[0, start)``."""
-        config, device = self.config, self.target.device
-        tokens = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.int64, device=device)
-        positions = torch.tensor(
-            [row.start + i for row in rows for i in range(len(row.tokens))], dtype=torch.int64, device=device
-        )
-        rotary = self._rotary(positions)
-        pages = [torch.as_tensor(list(row.pages), dtype=torch.int64, device=device) for row in rows]
-        x = self.target.embed(tokens)
-        heads, dim = config.num_attention_heads, config.head_dim
+        block = self._block(rows)
+        x = self.target.embed(block.tokens)
         for index, layer in enumerate(self.layers):
-            normed = self._norm(x, layer.input_layernorm)
-            query = apply_rotary(self._norm(F.linear(normed, layer.q_proj).view(-1, heads, dim), layer.q_norm), *rotary)
-            key, value = self._keys_values(layer, normed, rotary)
-            attended = self._attend(rows, pages, query, key, value, kv.key[index], kv.value[index], layer.window)
-            x = x + F.linear(attended.reshape(-1, heads * dim), layer.o_proj)
-            normed = self._norm(x, layer.post_attention_layernorm)
-            x = x + swiglu(normed, layer.gate_proj, layer.up_proj, layer.down_proj)
+            x = self._layer_forward(index, layer, x, block, kv)
         return self._norm(x, self.norm)
+
+    def _block(self, rows: Sequence[DraftRow]) -> DraftBlock:
+        device = self.target.device
+        tokens = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.int64, device=device)
+        offsets = torch.tensor([i for row in rows for i in range(len(row.tokens))], dtype=torch.int64, device=device)
+        starts = torch.tensor([row.start for row in rows for _ in row.tokens], dtype=torch.int64, device=device)
+        pages = [torch.as_tensor(list(row.pages), dtype=torch.int64, device=device) for row in rows]
+        return DraftBlock(rows, tokens, self._rotary(starts + offsets), pages, offsets)
+
+    def _layer_forward(
+        self, index: int, layer: DFlashLayer, x: torch.Tensor, block: DraftBlock, kv: KVCache
+    ) -> torch.Tensor:
+        """One draft layer over the block's residual stream ``x``: attention, then the SwiGLU MLP, pre-norm."""
+        x = x + self._attention(index, layer, self._norm(x, layer.input_layernorm), block, kv)
+        normed = self._norm(x, layer.post_attention_layernorm)
+        return x + swiglu(normed, layer.gate_proj, layer.up_proj, layer.down_proj)
+
+    def _attention(
+        self, index: int, layer: DFlashLayer, normed: torch.Tensor, block: DraftBlock, kv: KVCache
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention output (through ``o_proj``) for block inputs ``normed``: queries and the
+        block's own K/V come from ``normed``, context K/V from the paged cache."""
+        heads, dim = self.config.num_attention_heads, self.config.head_dim
+        query = F.linear(normed, layer.q_proj).view(-1, heads, dim)
+        query = apply_rotary(self._norm(query, layer.q_norm), *block.rotary)
+        key, value = self._keys_values(layer, normed, block.rotary)
+        attended = self._attend(
+            block.rows, block.pages, query, key, value, kv.key[index], kv.value[index], layer.window
+        )
+        return F.linear(attended.reshape(-1, heads * dim), layer.o_proj)
 
     def _attend(
         self,
@@ -204,3 +231,25 @@ class DFlashModel:
             output[block] = attended.reshape(length, heads, dim).to(query.dtype)
             offset += length
         return output
+
+
+def load_layers(config: DFlashConfig, take: TakeTensor) -> tuple[DFlashLayer, ...]:
+    """The decoder layers' weights (z-lab names through ``take``)."""
+    layers = []
+    for index, kind in enumerate(config.layer_types):
+        prefix = f"layers.{index}."
+        layers.append(DFlashLayer(
+            input_layernorm=take(prefix + "input_layernorm.weight"),
+            post_attention_layernorm=take(prefix + "post_attention_layernorm.weight"),
+            q_proj=take(prefix + "self_attn.q_proj.weight"),
+            k_proj=take(prefix + "self_attn.k_proj.weight"),
+            v_proj=take(prefix + "self_attn.v_proj.weight"),
+            o_proj=take(prefix + "self_attn.o_proj.weight"),
+            q_norm=take(prefix + "self_attn.q_norm.weight"),
+            k_norm=take(prefix + "self_attn.k_norm.weight"),
+            gate_proj=take(prefix + "mlp.gate_proj.weight"),
+            up_proj=take(prefix + "mlp.up_proj.weight"),
+            down_proj=take(prefix + "mlp.down_proj.weight"),
+            window=config.sliding_window if kind == SLIDING_ATTENTION else None,
+        ))
+    return tuple(layers)

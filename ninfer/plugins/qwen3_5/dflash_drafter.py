@@ -35,7 +35,7 @@ class DFlashDrafter:
         block = model.config.block_size
         if draft_tokens > block - 1:
             raise ConfigError(
-                f"--draft-tokens {draft_tokens} exceeds what this DFlash drafter's block of {block} proposes "
+                f"--draft-tokens {draft_tokens} exceeds what this {model.label} drafter's block of {block} proposes "
                 f"({block - 1}); use at most {block - 1}",
                 param="draft_tokens",
             )
@@ -81,34 +81,49 @@ class DFlashDrafter:
         self._context_end.pop(id(seq), None)
 
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
-        assert self._kv is not None, "the DFlash drafter was not bound to the engine's KV pool"
-        mask = self.model.config.mask_token_id
-        blocks = [DraftRow((seq.tokens[-1], *([mask] * count)), seq.fed, seq.pages) for seq, count in zip(rows, counts)]
-        hidden = self.model.draft_hidden(blocks, self._kv)
-        mask_slots: list[int] = []  # each mask slot predicts the token at its own position
-        block_start = 0
-        for count in counts:
-            mask_slots.extend(range(block_start + 1, block_start + 1 + count))
-            block_start += count + 1
-        index = torch.tensor(mask_slots, dtype=torch.int64, device=hidden.device)
-        tokens = F.linear(hidden[index], self._head).argmax(dim=-1).tolist()
+        tokens = F.linear(self.mask_hidden(rows, counts), self._head).argmax(dim=-1).tolist()
         drafts, offset = [], 0
         for count in counts:
             drafts.append(Draft(tuple(int(token) for token in tokens[offset : offset + count])))
             offset += count
         return drafts
 
+    def mask_hidden(self, rows: Seq[Sequence], counts: Seq[int]) -> torch.Tensor:
+        """Final-normed drafter hidden states ``[sum(counts), H]`` of every row's mask slots, in row order; each
+        mask slot predicts the token at its own position."""
+        assert self._kv is not None, "the DFlash drafter was not bound to the engine's KV pool"
+        mask = self.model.config.mask_token_id
+        blocks = [DraftRow((seq.tokens[-1], *([mask] * count)), seq.fed, seq.pages) for seq, count in zip(rows, counts)]
+        hidden = self.model.draft_hidden(blocks, self._kv)
+        mask_slots: list[int] = []
+        block_start = 0
+        for count in counts:
+            mask_slots.extend(range(block_start + 1, block_start + 1 + count))
+            block_start += count + 1
+        return hidden[torch.tensor(mask_slots, dtype=torch.int64, device=hidden.device)]
+
+
+def load_drafter_model(runtime: Any, artifact: Any, model_type: type[DFlashModel]) -> Any:
+    """``model_type``'s companion drafter of ``artifact`` over ``runtime``'s target; a clear ConfigError when the
+    runtime is not Qwen3.5-family or the artifact carries no such companion."""
+    backend = model_type.companion
+    if not isinstance(runtime, Qwen35Runtime):
+        raise ConfigError(
+            f"--spec {backend} needs a Qwen3.5-family runtime, got {type(runtime).__name__}", param="spec"
+        )
+    target = runtime.model
+    model = model_type.load(WeightLoader(artifact, target.dtype, target.device), target)
+    if model is None:
+        raise ConfigError(
+            f"--spec {backend} needs {model_type.label} companion weights ({backend}.*), and "
+            f"{artifact.manifest.identity.model_id} carries none; convert with "
+            f"`ninfer convert HF_DIR --{backend} DRAFTER_DIR` or omit --spec",
+            param="spec",
+        )
+    return model
+
 
 def build_dflash_drafter(runtime: Any, artifact: Any, config: SpeculativeConfig) -> DFlashDrafter:
     """``SpeculativeBackend.build_drafter`` for ``--spec dflash``: loads the artifact's ``dflash.*`` companion."""
-    if not isinstance(runtime, Qwen35Runtime):
-        raise ConfigError(f"--spec dflash needs a Qwen3.5-family runtime, got {type(runtime).__name__}", param="spec")
-    target = runtime.model
-    model = DFlashModel.load(WeightLoader(artifact, target.dtype, target.device), target)
-    if model is None:
-        raise ConfigError(
-            f"--spec dflash needs DFlash companion weights (dflash.*), and {artifact.manifest.identity.model_id} "
-            "carries none; convert with `ninfer convert HF_DIR --dflash DRAFTER_DIR` or omit --spec",
-            param="spec",
-        )
+    model = load_drafter_model(runtime, artifact, DFlashModel)
     return DFlashDrafter(runtime, model, config.draft_tokens, config.lm_head_draft)

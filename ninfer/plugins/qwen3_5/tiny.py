@@ -1,10 +1,12 @@
-"""Tiny random-weight Qwen3.5 checkpoints of the real architecture (dense or MoE, optional MTP / DFlash companion)
-for tests and demos.
+"""Tiny random-weight Qwen3.5 checkpoints of the real architecture (dense or MoE, optional MTP / DFlash / DFlash2
+companions) for tests and demos.
 
 The structure is the real one at toy width: 8 layers (3 Gated-DeltaNet + 1 full attention, twice), GQA, grouped
 value heads, partial interleaved MRoPE, a small vision tower, the real padded vocabulary (the real tokenizer's ids
 reach 248076) and the real special token ids. Weights are deterministic from the seed. A DFlash companion is a
-z-lab-shaped drafter (one sliding-window and one full layer, block 16, three target layers, the Qwen3.5 mask id).
+z-lab-shaped drafter (one sliding-window and one full layer, block 16, three target layers, the Qwen3.5 mask id). A
+DFlash2 companion has the same trunk with block 8 (as the released Qwen3.8 drafter), two-tap convolutions in groups
+of 16 channels and a rank-16, top-16 candidate selector.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from ninfer.core.dflash_companion import COMPANION_CONFIGS, DFlashConfig
+from ninfer.core.dflash_companion import COMPANION_CONFIGS, DFlash2Config, DFlashConfig
 from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
 from ninfer.plugins.qwen3_5.weights import expected_weights
@@ -25,6 +27,7 @@ END_OF_TEXT = 248044
 IM_END = 248046
 _INIT_STD = 0.02
 DFLASH_MASK_TOKEN = 248070
+_SELECTOR_STD = 0.5
 _FAMILIES = {"qwen3_5": DENSE_CONDITIONAL, "qwen3_5_moe": MOE_CONDITIONAL}
 
 
@@ -32,6 +35,7 @@ class TinyOptions(Protocol):
     family: str
     mtp: bool
     dflash: bool
+    dflash2: bool
     seed: int
 
 
@@ -181,19 +185,60 @@ def tiny_dflash_tensors(config: dict[str, Any], generator: torch.Generator) -> d
     return tensors
 
 
+def tiny_dflash2_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A DFlash2 drafter ``config.json`` for a tiny target: the DFlash trunk, block 8 in ``dflash_config``, the
+    released conv and softcap settings and a small selector rank."""
+    config = tiny_dflash_config(text)
+    del config["block_size"]
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"] = {
+        **config["dflash_config"],
+        "block_size": 8,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 16,
+        "selector_top_k": 16,
+        "output_multiplier": 1.0,
+        "final_logit_softcapping": 20.0,
+    }
+    return config
+
+
+def tiny_dflash2_tensors(config: dict[str, Any], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random DFlash2 drafter tensors (z-lab names): DFlash's, convolutions near the identity (tap 0 of each base
+    kernel near 1) and selector codebooks large enough that the pairwise term can overrule the unary logits."""
+    shapes = DFlash2Config.from_dict(config, "tiny DFlash2 config").tensor_shapes()
+    tensors = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=generator) * _INIT_STD
+        if name.endswith("norm.weight"):
+            noise = 1.0 + noise
+        elif name.endswith("base_kernel"):
+            noise[:, 0] += 1.0
+        elif name.endswith("_codebook"):
+            noise = noise * (_SELECTOR_STD / _INIT_STD)
+        tensors[name] = noise.to(torch.bfloat16)
+    return tensors
+
+
 def make_tiny(options: TinyOptions) -> TinyModel:
     """A tiny model of ``options.family`` (with MTP weights if ``options.mtp``, a DFlash companion if
-    ``options.dflash``), deterministic from ``options.seed``."""
+    ``options.dflash``, a DFlash2 companion if ``options.dflash2``), deterministic from ``options.seed``."""
     config = tiny_config(options.family, mtp=bool(options.mtp))
     generator = torch.Generator().manual_seed(int(options.seed))
     tensors = {
         name: _init_tensor(name, shape, generator).to(torch.bfloat16)
         for name, shape in expected_weights(config).items()
     }
-    if getattr(options, "dflash", False):
-        drafter = tiny_dflash_config(config["text_config"])
-        config[COMPANION_CONFIGS] = {"dflash": drafter}
-        tensors.update({f"dflash.{name}": tensor for name, tensor in tiny_dflash_tensors(drafter, generator).items()})
+    drafters = {
+        "dflash": (tiny_dflash_config, tiny_dflash_tensors),
+        "dflash2": (tiny_dflash2_config, tiny_dflash2_tensors),
+    }
+    for name, (make_config, make_tensors) in drafters.items():
+        if getattr(options, name, False):
+            drafter = make_config(config["text_config"])
+            config.setdefault(COMPANION_CONFIGS, {})[name] = drafter
+            tensors.update({f"{name}.{tensor}": value for tensor, value in make_tensors(drafter, generator).items()})
     return TinyModel(
         architecture=config["architectures"][0],
         config=config,
