@@ -1,10 +1,14 @@
 """Fused recurrent gated delta rule for decode / verify: gates, L2 norms, the state update and the gated output norm.
 
 Twin: ``ninfer.kernels.gated_delta.recurrent_gated_delta_rule`` followed by ``ninfer.kernels.norms.gated_rms_norm``.
-One program owns one (row, value head): it reads the row's fp32 state ``[Dk, Dv]`` from its slot, runs the row's
-``T`` tokens, optionally stores the state after every token (speculative verify), and writes the final state back
-in place. The gates are computed from the raw projections: ``beta = sigmoid(b)``,
-``g = decay_rate * softplus(a + dt_bias)`` with ``decay_rate = -exp(A_log)``.
+One program owns one (row, value head, block of value columns): the delta rule is independent per column of the
+state (``S^T k`` and the update are per column), so ``value_split`` programs share a head's ``[Dk, Dv]`` fp32 state
+(more programs for small batches). A program reads its columns of the row's state from its slot, runs the row's
+``T`` tokens, optionally stores the state after every token (speculative verify), and writes its columns back in
+place. The gated output norm needs a whole head: with one program per head it is fused, with a split the kernel
+writes ``o`` and ``ninfer.kernels.triton.norms.gated_rms_norm`` normalises it in a second launch. The gates are
+computed from the raw projections: ``beta = sigmoid(b)``, ``g = decay_rate * softplus(a + dt_bias)`` with
+``decay_rate = -exp(A_log)``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.gated_delta import L2_EPS
+from ninfer.kernels.triton.norms import gated_rms_norm
 
 
 @triton.jit
@@ -39,6 +44,7 @@ def _gated_delta_kernel(
     VALUE_HEADS: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
     STORE_STATES: tl.constexpr,
     L2EPS: tl.constexpr,
@@ -49,7 +55,7 @@ def _gated_delta_kernel(
     key_head = head // (VALUE_HEADS // KEY_HEADS)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     tile = dk[:, None] * DV + dv[None, :]
     state_base = state_ptr + (slot * VALUE_HEADS + head) * (DK * DV)
     state = tl.load(state_base + tile)
@@ -99,13 +105,18 @@ def fused_recurrent_gated_delta(
     norm_eps: float = 1e-6,
     scale: float | None = None,
     output_states: bool = False,
+    states_out: torch.Tensor | None = None,
+    value_split: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``tokens_per_row`` tokens of every row through the gated delta rule, updating ``ssm_cache`` in place.
 
     ``qkv [N, 2*Hk*Dk + Hv*Dv]`` is the conv output (q | k | v, N = rows * tokens_per_row, a row's tokens
     consecutive); ``a, b [N, Hv]`` the raw gate projections; ``ssm_cache [S, Hv, Dk, Dv]`` fp32; ``slots [rows]``.
     With ``z [N, Hv*Dv]`` and ``norm_weight [Dv]`` the output is ``rms_norm(o) * w * silu(z)``, else ``o``.
-    Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``.
+    ``value_split`` programs share each head's value columns (it must divide Dv into powers of two).
+    Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``. ``states_out`` (a contiguous
+    fp32 ``[>= N, Hv, Dk, Dv]`` buffer, e.g. a CUDA graph's static one) implies ``output_states``: the states are
+    written to its first N entries, which are returned.
     """
     tokens = qkv.shape[0]
     _, value_heads, key_dim, value_dim = ssm_cache.shape
@@ -121,21 +132,35 @@ def fused_recurrent_gated_delta(
     fuse_norm = z is not None
     if fuse_norm and (norm_weight is None or z.shape != (tokens, value_heads * value_dim) or z.stride(1) != 1):
         raise ValueError("the fused norm needs z [N, Hv*Dv] with contiguous rows and norm_weight [Dv]")
+    block_dv = value_dim // value_split if value_split >= 1 and value_dim % value_split == 0 else 0
+    if block_dv < 1 or block_dv & (block_dv - 1) or key_dim & (key_dim - 1):
+        raise ValueError(f"value_split={value_split} must cut Dv={value_dim} (and Dk={key_dim}) into powers of two")
+    norm_apart = fuse_norm and value_split > 1  # the norm needs whole heads: a second launch
     out = torch.empty((tokens, value_heads, value_dim), dtype=qkv.dtype, device=qkv.device)
-    states = (
-        torch.empty((tokens, value_heads, key_dim, value_dim), dtype=torch.float32, device=qkv.device)
-        if output_states
-        else None
-    )
+    if states_out is not None:
+        if (
+            states_out.dtype != torch.float32 or not states_out.is_contiguous() or states_out.shape[0] < tokens
+            or tuple(states_out.shape[1:]) != (value_heads, key_dim, value_dim)
+        ):
+            raise ValueError(f"states_out must be a contiguous fp32 [>= {tokens}, Hv, Dk, Dv] tensor")
+        output_states = True
+        states: torch.Tensor | None = states_out[:tokens]
+    elif output_states:
+        states = torch.empty((tokens, value_heads, key_dim, value_dim), dtype=torch.float32, device=qkv.device)
+    else:
+        states = None
     scale = key_dim**-0.5 if scale is None else scale
-    _gated_delta_kernel[(rows * value_heads,)](
+    _gated_delta_kernel[(rows * value_heads, value_split)](
         qkv, qkv.stride(0), a, b, a.stride(0),
         z if fuse_norm else qkv, z.stride(0) if fuse_norm else 0,
         decay_rate, dt_bias, norm_weight if fuse_norm else decay_rate,
         ssm_cache, slots, out, states if output_states else out,
         tokens_per_row, scale, norm_eps,
-        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, DK=key_dim, DV=value_dim,
-        FUSE_NORM=fuse_norm, STORE_STATES=output_states, L2EPS=L2_EPS,
-        num_warps=8 if key_dim * value_dim >= 8192 else 4,
+        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, DK=key_dim, DV=value_dim, BLOCK_DV=block_dv,
+        FUSE_NORM=fuse_norm and not norm_apart, STORE_STATES=output_states, L2EPS=L2_EPS,
+        num_warps=8 if key_dim * block_dv >= 8192 else 4,
     )
+    if norm_apart:
+        z_heads = z.view(tokens, value_heads, value_dim)
+        out = gated_rms_norm(out, z_heads, norm_weight, norm_eps)
     return out, states

@@ -79,31 +79,39 @@ def add_rms_norm(
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, z_ptr, weight_ptr, out_ptr, n_cols, x_stride, z_stride, eps, BLOCK: tl.constexpr
+    x_ptr, z_ptr, weight_ptr, out_ptr, n_cols, heads, x_stride, z_stride, eps, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    head = row % heads
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + token * x_stride + head * n_cols + cols, mask=mask, other=0.0)
     values = x.to(tl.float32)
-    z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + token * z_stride + head * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(values * values, axis=0) / n_cols + eps)
     tl.store(out_ptr + row * n_cols + cols, (values * rstd * weight * z * tl.sigmoid(z)).to(x.dtype), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm(x) * weight * silu(z)`` over the last dim of ``x, z [..., D]`` (plain weight); ``[..., D]`` out."""
+    """``rms_norm(x) * weight * silu(z)`` over the last dim of ``x, z [..., D]`` (plain weight); ``[..., D]`` out.
+
+    Rows may be strided; with three or more dims the heads of one token (the last two dims) may sit in a strided
+    row, e.g. ``z`` as a column slice of a fused projection viewed ``[N, H, D]``: nothing is copied then.
+    """
     if x.shape != z.shape:
         raise ValueError(f"x {tuple(x.shape)} and z {tuple(z.shape)} must have the same shape")
     dim = x.shape[-1]
-    x2, z2 = x.reshape(-1, dim), z.reshape(-1, dim)
-    _check_rows(x2, "x")
-    _check_rows(z2, "z")
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    heads = x.shape[-2] if x.dim() >= 3 else 1
+    x3, z3 = x.reshape(-1, heads, dim), z.reshape(-1, heads, dim)
+    for tensor, name in ((x3, "x"), (z3, "z")):
+        if tensor.stride(2) != 1 or (heads > 1 and tensor.stride(1) != dim):
+            raise ValueError(f"{name} must have contiguous heads of {dim}; got strides {tuple(tensor.stride())}")
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(dim)
-    _gated_rms_norm_kernel[(x2.shape[0],)](
-        x2, z2, weight, out, dim, x2.stride(0), z2.stride(0), eps, BLOCK=block, num_warps=_warps_for(block)
+    _gated_rms_norm_kernel[(x3.shape[0] * heads,)](
+        x3, z3, weight, out, dim, heads, x3.stride(0), z3.stride(0), eps, BLOCK=block, num_warps=_warps_for(block)
     )
     return out.view(x.shape)
 

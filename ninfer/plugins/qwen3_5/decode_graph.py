@@ -25,6 +25,8 @@ from ninfer.kernels.triton.conv import causal_conv1d_update
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton.moe_fused import fused_moe_decode
+from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
+from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, moe_workspace
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
@@ -136,6 +138,8 @@ class DecodeGraphRunner:
         max_batch: int = 64,
         graph_segments: int = 4,
         fused_moe: bool = False,
+        grouped_moe_rows: int = 1,
+        gdn_value_split: int = 4,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -152,6 +156,16 @@ class DecodeGraphRunner:
         # MoE block as two Triton launches (``fused_moe_decode``) instead of routing, expert GEMVs, SiLU·mul and
         # combine apart; off by default: on the H200 it was not faster at batch 1 (docs/performance.md, round 3)
         self.fused_moe = fused_moe
+        # MoE block as three launches with each selected expert read once per batch (``grouped_moe_decode``:
+        # router GEMV + routing, grouped gate/up + SiLU·mul, grouped down + combine + shared expert) for batches
+        # of at most this many rows (0: never; capped at GROUPED_MOE_MAX_ROWS); its counters live in one
+        # workspace that every call leaves zeroed. Default 1: faster at batch 1 on the H200, slower at 8 rows
+        # (docs/performance.md, round 4).
+        self.grouped_moe_rows = grouped_moe_rows
+        self._moe_workspace = moe_workspace(self.config.hidden_size, model.device) if self.config.is_moe else None
+        # programs per Gated DeltaNet value head in the decode kernel (> 1: the output norm becomes a second launch;
+        # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
+        self.gdn_value_split = gdn_value_split
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -293,6 +307,7 @@ class DecodeGraphRunner:
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
             key_heads=config.linear_num_key_heads, z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps,
+            value_split=self.gdn_value_split,
         )
         return F.linear(core.view(normed.shape[0], value_dim), weights.out_proj)
 
@@ -329,6 +344,13 @@ class DecodeGraphRunner:
     def _mixture_of_experts(self, mlp: MoEWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
         top_k = self.config.num_experts_per_tok
         num_experts, shared_inner = moe_widths(mlp)
+        if normed.shape[0] <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS):
+            rows = fused.ffn_in  # [router | shared gate | shared up | shared expert gate]
+            return grouped_moe_decode(
+                normed, rows[:num_experts], mlp.gate_up, mlp.down, top_k,  # type: ignore[arg-type]
+                shared_gate_up=rows[num_experts : num_experts + 2 * shared_inner], shared_down=mlp.shared_down,
+                shared_expert_gate=rows[num_experts + 2 * shared_inner :], workspace=self._moe_workspace,
+            )
         entry = F.linear(normed, fused.ffn_in)
         shared_gate_up = entry[:, num_experts : num_experts + 2 * shared_inner]
         if self.fused_moe:
