@@ -2,24 +2,32 @@
 
 Per row: presence/frequency penalties over the request's output tokens (OpenAI semantics:
 ``logit -= presence * (count > 0) + frequency * count``), then temperature 0 takes the argmax; otherwise
-logits are divided by the temperature, cut to the top-k (always at most 20) candidates, softmaxed,
+logits are cut to the top-k (always at most 20) candidates, divided by the temperature, softmaxed,
 cut by top-p (smallest prefix whose mass reaches p) and min-p (``p < min_p * p_max``), renormalized and
 sampled with the request's own generator. One uniform draw per sampled token from a per-request
 generator makes a seeded request reproduce regardless of what it is batched with.
+
+The rule itself lives in ``ninfer.kernels.sampling`` (vectorised over rows); this module turns the rows'
+``RowSampler`` state into its per-row tensors and routes CUDA logits to the Triton twin of that rule.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import secrets
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ninfer.core.descriptors import SamplingPreset
-from ninfer.core.engine.request import INT64_MIN, TOP_K_CAP, SamplingParams
+from ninfer.core.engine.request import INT64_MIN, SamplingParams
+from ninfer.kernels import sampling
+from ninfer.kernels.triton import triton_available
 
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 _UINT64_MASK = 2**64 - 1
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _UNIFORM, _PENALTY_ROW = range(6)
 
 
 def resolve_sampling(
@@ -79,16 +87,11 @@ class RowSampler:
 
 def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
     """``logits`` (``[R, V]``) minus each row's penalty; returns the input itself when no row penalizes."""
-    penalized = [index for index, row in enumerate(rows) if row.penalty is not None]
-    if not penalized:
+    penalty = stacked_penalties(rows)
+    if penalty is None:
         return logits
-    out = logits.clone()
-    width = out.shape[1]
-    for index in penalized:
-        penalty = rows[index].penalty
-        assert penalty is not None
-        out[index] -= penalty[:width]
-    return out
+    table = parameter_table(rows, draw=False).to(logits.device)
+    return sampling.penalize(logits, penalty, table[_PENALTY_ROW])
 
 
 def candidate_distribution(logits: torch.Tensor, rows: Sequence[RowSampler]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,47 +100,72 @@ def candidate_distribution(logits: torch.Tensor, rows: Sequence[RowSampler]) -> 
     ``logits`` are already penalized. Candidates are sorted by descending logit; pruned ones have
     probability 0 and the rest sum to 1. Greedy rows are treated as temperature 1 here.
     """
-    device = logits.device
-    params = [row.params for row in rows]
-    temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    cap = min(TOP_K_CAP, logits.shape[1])
-    values, ids = (logits.float() / temperatures[:, None]).topk(cap, dim=-1)
-    positions = torch.arange(cap, device=device)
-    top_k = torch.tensor([min(p.effective_top_k, cap) for p in params], device=device)
-    values = values.masked_fill(positions[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(values, dim=-1)
-
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
-
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    probs = probs.masked_fill(probs < probs[:, :1] * min_p[:, None], 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), ids
+    table = parameter_table(rows, draw=False).to(logits.device)
+    return sampling.candidate_distribution(logits, table[_TEMPERATURE], table[_TOP_K], table[_TOP_P], table[_MIN_P])
 
 
 def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit: int | None = None) -> list[int]:
-    """Pick one token per row of ``logits`` (``[R, V]`` fp32); ids at or above ``vocab_limit`` are never chosen."""
-    if vocab_limit is not None and vocab_limit < logits.shape[1]:
-        logits = logits[:, :vocab_limit]
-    logits = penalized_logits(logits, rows)
-    chosen = [0] * len(rows)
-    greedy_rows = [index for index, row in enumerate(rows) if row.greedy]
-    sampled_rows = [index for index, row in enumerate(rows) if not row.greedy]
-    if greedy_rows:
-        picks = logits[greedy_rows].argmax(dim=-1).tolist()
-        for index, token in zip(greedy_rows, picks):
-            chosen[index] = int(token)
-    if sampled_rows:
-        probs, ids = candidate_distribution(logits[sampled_rows], [rows[i] for i in sampled_rows])
-        probs = probs.to("cpu", torch.float64)
-        ids = ids.to("cpu")
-        for position, index in enumerate(sampled_rows):
-            cdf = probs[position].cumsum(dim=0)
-            draw = torch.rand((), generator=rows[index].generator, dtype=torch.float64)
-            pick = int(torch.searchsorted(cdf, draw * cdf[-1], right=True))
-            chosen[index] = int(ids[position, min(pick, cdf.shape[0] - 1)])
-    return chosen
+    """Pick one token per row of ``logits`` (``[R, V]`` fp32); ids at or above ``vocab_limit`` are never chosen.
 
+    Each sampled (non-greedy) row draws one uniform from its own generator, greedy rows draw none. The rows'
+    parameters and uniforms reach the logits' device in one small copy; CUDA logits are sampled by the Triton
+    kernel when triton is available (the chosen ids are the only transfer back), anything else by the torch rule.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(
+            f"logits must be [rows, vocab] with one row per sampler; got {tuple(logits.shape)} for {len(rows)} rows"
+        )
+    table = parameter_table(rows, draw=True).to(logits.device)
+    penalty = stacked_penalties(rows)
+    ids = _row_sampler(logits.device.type)(
+        logits,
+        table[_TEMPERATURE],
+        table[_TOP_K],
+        table[_TOP_P],
+        table[_MIN_P],
+        table[_UNIFORM],
+        penalty=penalty,
+        penalty_rows=None if penalty is None else table[_PENALTY_ROW],
+        vocab_limit=vocab_limit,
+    )
+    return ids.tolist()
+
+
+def parameter_table(rows: Sequence[RowSampler], draw: bool) -> torch.Tensor:
+    """The rows' per-row sampling inputs as one float64 ``[6, R]`` host tensor.
+
+    Rows: temperature, effective top-k, top-p, min-p, the uniform (one draw from each non-greedy row's
+    generator when ``draw``, else 0) and the row's index into :func:`stacked_penalties` (-1: no penalty).
+    """
+    temperature, top_k, top_p, min_p, uniform, penalty_row = [], [], [], [], [], []
+    penalized = 0
+    for row in rows:
+        params = row.params
+        temperature.append(params.temperature)
+        top_k.append(params.effective_top_k)
+        top_p.append(params.top_p)
+        min_p.append(params.min_p)
+        draws = draw and not row.greedy
+        uniform.append(float(torch.rand((), generator=row.generator, dtype=torch.float64)) if draws else 0.0)
+        penalty_row.append(penalized if row.penalty is not None else -1)
+        penalized += row.penalty is not None
+    if not rows:
+        return torch.zeros((6, 0), dtype=torch.float64)
+    values = array.array("d", [*temperature, *top_k, *top_p, *min_p, *uniform, *penalty_row])
+    return torch.frombuffer(values, dtype=torch.float64).view(6, len(rows))
+
+
+def stacked_penalties(rows: Sequence[RowSampler]) -> torch.Tensor | None:
+    """The penalizing rows' penalties stacked ``[P, V]`` in row order, or None when no row penalizes."""
+    penalties = [row.penalty for row in rows if row.penalty is not None]
+    return torch.stack(penalties) if penalties else None
+
+
+@functools.cache
+def _row_sampler(device_type: str) -> Callable[..., torch.Tensor]:
+    """The Triton sampler for CUDA logits when triton is available, otherwise the torch rule (resolved once)."""
+    if device_type == "cuda" and triton_available(device_type):
+        from ninfer.kernels.triton.sampling import sample_rows
+
+        return sample_rows
+    return sampling.sample_rows
