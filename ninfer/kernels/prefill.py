@@ -1,9 +1,11 @@
 """Prefill-side kernels for CUDA, built from well-batched torch operations, with the reference kernels elsewhere.
 
-* ``prefill_gated_delta_rule``: the chunked gated delta rule with every intra-chunk quantity (decay matrices, the
-  triangular solves, the causal intra-chunk scores) computed for all chunks at once; only the state hand-over from
-  chunk to chunk stays sequential: one Triton kernel on CUDA (``ninfer.kernels.triton.chunk_state``), three batched
-  products per chunk elsewhere (``chunk_state_pass_torch``, its twin).
+* ``prefill_gated_delta_rule``: the chunked gated delta rule in three fused Triton kernels on CUDA
+  (``ninfer.kernels.triton.gated_delta_chunk``: q/k/v read in place, norms fused). Its fallback,
+  ``batched_chunk_gated_delta_rule``, computes every intra-chunk quantity (decay matrices, the triangular solves,
+  the causal intra-chunk scores) for all chunks at once with torch; only the state hand-over from chunk to chunk
+  stays sequential: one Triton kernel on CUDA (``ninfer.kernels.triton.chunk_state``), three batched products per
+  chunk elsewhere (``chunk_state_pass_torch``, its twin).
 * ``prefill_causal_conv1d``: the short conv of a whole chunk in one Triton kernel on CUDA.
 * ``prefill_attention``: each row's paged KV gathered once, then ``scaled_dot_product_attention`` (flash / memory
   efficient kernels) with the causal mask offset by the row's cached tokens.
@@ -146,10 +148,18 @@ def prefill_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule: batched over chunks on CUDA, the reference elsewhere."""
-    if v.device.type == "cuda":
-        return batched_chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
+    """The chunked gated delta rule: the fused Triton kernels on CUDA (``ninfer.kernels.triton.gated_delta_chunk``)
+    when Triton runs and the head dims suit them, else batched over chunks on CUDA, the reference elsewhere."""
+    if v.device.type != "cuda":
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
+    from ninfer.kernels.triton import triton_available
+
+    if triton_available(v.device):
+        from ninfer.kernels.triton.gated_delta_chunk import chunk_gated_delta_rule_fused, fused_dims_supported
+
+        if fused_dims_supported(k.shape[-1], v.shape[-1]):
+            return chunk_gated_delta_rule_fused(q, k, v, g, beta, initial_state)
+    return batched_chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
