@@ -274,6 +274,59 @@ def test_done_timings_and_engine_timing_are_consistent(scenario):
     assert engine["units"] == {"prefill": 1, "control": 0}  # a short prompt is one prefill chunk; no budget close
 
 
+PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
+
+
+def test_every_done_reports_measured_exclusive_engine_phases(scenario):
+    done = [r for r in scenario.records if r["event"] == "request_done"]
+    assert done
+    for record in done:
+        engine = record["engine_timing"]
+        host = engine["host_exposed_seconds"]
+        phases = [host[name] for name in PHASES]
+        assert all(value >= 0.0 for value in phases) and engine["device_wait_exposed_seconds"] >= 0.0
+        assert host["total"] == sum(phases)  # exactly: computed from the written numbers
+        decode = engine["decode"]
+        assert decode["host_exposed_seconds"] <= host["total"]
+        assert decode["device_wait_seconds"] <= engine["device_wait_exposed_seconds"]
+        # the exposure lies inside the request's engine residence (submission to finish, less the FIFO wait)
+        residence = record["timings_seconds"]["total"] - record["timings_seconds"]["prepare"]
+        assert engine["queue_wait_seconds"] + host["total"] + engine["device_wait_exposed_seconds"] <= residence + 1e-3
+        if record["result"]["completion_tokens"] > 0:  # it ran: the model was submitted work for it
+            assert host["program_submit"] > 0.0 and host["engine_commit_output"] > 0.0
+        if record["result"]["completion_tokens"] > 1:
+            assert decode["host_exposed_seconds"] > 0.0 and decode["rounds"] > 0
+
+
+def test_throughput_host_work_is_measured_on_every_reported_interval(scenario):
+    throughput = [r for r in scenario.records if r["event"] == "throughput"]
+    for record in throughput:
+        work = record["host_work"]
+        elapsed = work["elapsed_seconds"]
+        assert elapsed["total"] == sum(elapsed[name] for name in PHASES)
+        classes = work["work_class_seconds"]
+        assert sum(c["host_seconds"] for c in classes.values()) == pytest.approx(elapsed["total"], abs=1e-6)
+        assert sum(c["device_wait_seconds"] for c in classes.values()) == pytest.approx(work["device_wait_seconds"],
+                                                                                     abs=1e-6)
+        for name, seconds in work["detail_subset_seconds"].items():
+            assert seconds <= elapsed["total"] + 1e-9  # a subset of the host phases
+            per_invocation = work["normalized"]["detail_seconds_per_invocation"][name]
+            assert (per_invocation is None) == (work["detail_invocations"][name] == 0)
+        rounds = record["decode_rounds"]["rounds"]
+        assert (work["normalized"]["decode_host_seconds_per_round"] is None) == (rounds == 0)
+    # one worker thread: its host work cannot exceed the wall time since the reporter started (a segment is
+    # reported in the interval in which it ends, so single intervals may hold more than their own length)
+    reported_span = (throughput[-1]["timestamp_unix_ms"] - throughput[0]["timestamp_unix_ms"]) / 1000.0
+    wall = reported_span + throughput[0]["interval_seconds"] + 0.01
+    assert sum(r["host_work"]["elapsed_seconds"]["total"] for r in throughput) <= wall
+    assert sum(r["host_work"]["elapsed_seconds"]["program_submit"] for r in throughput) > 0.0
+    assert sum(r["host_work"]["detail_invocations"]["admission"] for r in throughput) > 0
+    assert sum(r["host_work"]["detail_invocations"]["stats_publication"] for r in throughput) > 0
+    assert all(r["host_work"]["detail_invocations"]["replica"] == 0 for r in throughput)
+    stderr_reports = [line for line in scenario.stderr.splitlines() if " INFO throughput " in line]
+    assert stderr_reports and all(re.search(r"host active \d+\.\d\d s \(\d+\.\d%\)", line) for line in stderr_reports)
+
+
 def test_preparation_rejection_records_the_exact_http_error(scenario):
     effort = scenario.exchanges["effort"]
     assert effort.status == 400

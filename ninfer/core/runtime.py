@@ -132,7 +132,10 @@ class StateCache:
 
 @attrs.define
 class ForwardBatch:
-    """One model traversal over ``len(query_lens)`` rows whose new tokens are concatenated."""
+    """One model traversal over ``len(query_lens)`` rows whose new tokens are concatenated.
+
+    The tensors may be host (CPU) tensors on a device runtime (the engine builds them so); the runtime moves them.
+    """
 
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [3, T] int64 MRoPE (t, h, w) ids; equal rows for text

@@ -1,4 +1,9 @@
-"""Building a ``ForwardBatch`` from sequences and the tokens each one feeds."""
+"""Building a ``ForwardBatch`` from sequences and the tokens each one feeds.
+
+The engine's batches hold host (CPU) tensors: building them costs no device transfer, and the runtime moves them
+in the way that suits it (the Qwen decode path stages every field in one pinned buffer and copies it in a single
+asynchronous transfer; its eager path moves them once).
+"""
 
 from __future__ import annotations
 
@@ -9,37 +14,36 @@ import torch
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.runtime import ForwardBatch
 
+_HOST = torch.device("cpu")
 
-def page_table(rows: Seq[Sequence], device: torch.device) -> torch.Tensor:
+
+def page_table(rows: Seq[Sequence], device: torch.device = _HOST) -> torch.Tensor:
     """``[R, max_pages]`` int32 page ids of ``rows`` (zero-padded)."""
     width = max(len(seq.pages) for seq in rows)
-    table = torch.zeros((len(rows), width), dtype=torch.int32)
-    for index, seq in enumerate(rows):
-        table[index, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-    return table.to(device)
+    padded = [[*seq.pages, *([0] * (width - len(seq.pages)))] for seq in rows]
+    return torch.tensor(padded, dtype=torch.int32, device=device)
 
 
-def text_positions(positions: list[int], device: torch.device) -> torch.Tensor:
+def text_positions(positions: list[int], device: torch.device = _HOST) -> torch.Tensor:
     """``[3, T]`` MRoPE ids of text tokens (three equal rows)."""
-    return torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0).expand(3, -1).contiguous()
+    return torch.tensor([positions] * 3, dtype=torch.int64, device=device)
 
 
-def build_batch(
-    rows: Seq[Sequence], feeds: Seq[Seq[int]], device: torch.device, logits: str, **flags: Any
-) -> ForwardBatch:
-    """Each row continues at ``seq.fed`` with its ``feed``; ``flags`` are extra ForwardBatch fields."""
+def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags: Any) -> ForwardBatch:
+    """Host tensors where each row continues at ``seq.fed`` with its ``feed``; ``flags`` are extra ForwardBatch
+    fields."""
     token_ids: list[int] = []
     positions: list[int] = []
     for seq, feed in zip(rows, feeds):
         token_ids.extend(feed)
         positions.extend(range(seq.fed, seq.fed + len(feed)))
     return ForwardBatch(
-        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-        positions=text_positions(positions, device),
+        token_ids=torch.tensor(token_ids, dtype=torch.int64),
+        positions=text_positions(positions),
         query_lens=[len(feed) for feed in feeds],
         context_lens=[seq.fed for seq in rows],
-        page_tables=page_table(rows, device),
-        state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64, device=device),
+        page_tables=page_table(rows),
+        state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64),
         logits=logits,  # type: ignore[arg-type]
         **flags,
     )

@@ -12,6 +12,7 @@ from ninfer.core.engine.admission import AdmissionController, AdmissionTicket
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.executor import Executor
 from ninfer.core.engine.handle import RequestHandle
+from ninfer.core.engine.host_work import HostWorkTotals
 from ninfer.core.engine.memory import EngineMemory, MemoryStats
 from ninfer.core.engine.pages import pages_for
 from ninfer.core.engine.request import GenerationRequest, SamplingParams
@@ -38,6 +39,7 @@ class EngineStats:
     memory: MemoryStats
     decode_rounds: int = 0  # cumulative since start: decode rounds and the rows they processed
     decode_row_rounds: int = 0
+    host_work: HostWorkTotals | None = None  # the executor's worker totals as last published
 
 
 class Engine:
@@ -101,6 +103,7 @@ class Engine:
             memory=self._memory.stats(),
             decode_rounds=self._executor.decode_rounds,
             decode_row_rounds=self._executor.decode_row_rounds,
+            host_work=self._executor.host_work,
         )
 
     def clear_prefix_cache(self) -> None:

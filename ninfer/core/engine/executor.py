@@ -5,6 +5,10 @@ requests fail with a queue timeout, the FIFO head is admitted while a lane and i
 are free, and then one unit of work runs (one prefill chunk or one batched decode round). Results go to
 the request handles, which never block this thread. An exception in a forward is an engine-wide failure:
 every in-flight request fails with :class:`EngineUnavailableError` and the engine stops accepting work.
+
+Every segment of the loop is timed by the :class:`HostWorkClock` in one host phase (or the device wait) and one
+work class, charged to the requests the work is for; each iteration ends by publishing the worker totals
+(:attr:`Executor.host_work`) for the throughput reporter.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Callable
 from ninfer.core.engine.batching import build_batch
 from ninfer.core.engine.commit import Finish, commit_sampled
 from ninfer.core.engine.config import EngineConfig
+from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
 from ninfer.core.engine.memory import EngineMemory
 from ninfer.core.engine.request import AdmittedEvent, ProgressEvent
 from ninfer.core.engine.sampler import sample_tokens
@@ -25,7 +30,7 @@ from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Drafter, SpeculativeRound, capture_layers, observed_features
 from ninfer.core.errors import EngineUnavailableError, NinferError
-from ninfer.core.runtime import ForwardBatch, ModelRuntime
+from ninfer.core.runtime import ModelRuntime
 
 log = logging.getLogger("ninfer.engine")
 
@@ -71,12 +76,14 @@ class Executor:
         self.failure: str | None = None
         self.decode_rounds = 0  # cumulative decode (or speculative) rounds, read by throughput reports
         self.decode_row_rounds = 0  # cumulative rows processed by those rounds
+        self.clock = HostWorkClock()  # the executor thread's phase clock
+        self.host_work = HostWorkTotals.zero()  # the worker totals, published at the end of every iteration
         self.drafter = drafter
         self._speculative: SpeculativeRound | None = None
         if drafter is not None:
             memory.companions.extend(drafter.bind(memory.num_pages, memory.page_size))
             self._speculative = SpeculativeRound(
-                runtime, drafter, memory.kv, memory.state, memory.ensure_pages, vocab_limit
+                runtime, drafter, memory.kv, memory.state, memory.ensure_pages, vocab_limit, self.clock
             )
 
     # -- other threads -----------------------------------------------------------------------------
@@ -121,23 +128,41 @@ class Executor:
     # -- the loop ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        clock = self.clock
         try:
             while True:
                 self._wake.clear()
+                clock.charge(self._lanes())
+                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
                 if self._drain_inbox():
                     break
                 self._boundary()
                 step = self.scheduler.next_step()
                 if step is None:
-                    self._wake.wait(self._idle_timeout())
-                elif isinstance(step, PrefillStep):
+                    timeout = self._idle_timeout()
+                    self._publish()
+                    clock.idle()
+                    self._wake.wait(timeout)
+                    continue
+                if isinstance(step, PrefillStep):
                     self._prefill(step.seq)
                 else:
                     self._decode(step)
+                self._publish()
         except BaseException as exc:  # an engine-wide failure: nothing in flight can continue
             self._fail_everything(exc)
             return
         self._shutdown_sequences()
+        self._publish()
+        clock.idle()
+
+    def _publish(self) -> None:
+        """Hand the worker totals (closed segments so far) to other threads: one reference assignment."""
+        clock = self.clock
+        clock.charge(())
+        clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+        with clock.detail(Detail.STATS_PUBLICATION):
+            self.host_work = clock.totals(self.decode_rounds, self.decode_row_rounds)
 
     def _drain_inbox(self) -> bool:
         """Take in queued items; True when a stop was requested."""
@@ -149,11 +174,13 @@ class Executor:
             if isinstance(item, _Stop):
                 return True
             if isinstance(item, _Call):
+                self.clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
                 try:
                     item.result = item.fn()
                 except BaseException as exc:
                     item.error = exc
                 item.done.set()
+                self.clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
             else:
                 self.scheduler.waiting.append(item)
 
@@ -164,35 +191,61 @@ class Executor:
         return max(min(deadlines) - time.monotonic(), 0.0)
 
     def _boundary(self) -> None:
+        """Cancellations, queue timeouts and admissions (the clock is in ``engine_boundary``, control class)."""
+        clock = self.clock
         now = time.monotonic()
         for seq in list(self.scheduler.waiting):
             if seq.handle.cancel_requested:
-                self._finish(seq, Finish("cancelled"), now)
+                self._finish(seq, Finish("cancelled"))
+                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
             elif seq.ticket.expired(now):
                 self.scheduler.remove(seq)
+                clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
                 seq.handle.fail(seq.ticket.timeout_error())
+                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
             if seq.handle.cancel_requested:
-                self._finish(seq, Finish("cancelled"), now)
+                self._finish(seq, Finish("cancelled"))
+                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         while (head := self.scheduler.head_admissible()) is not None:
-            if not self.memory.try_admit(head, reuse=self.config.prefix_reuse):
+            with clock.detail(Detail.ADMISSION):
+                admitted = self.memory.try_admit(head, reuse=self.config.prefix_reuse)
+                if admitted:
+                    self._admitted(head)
+            if not admitted:
                 break
-            self._admitted(head)
+            if head.prompt_done_at is not None:  # an exact full-prompt checkpoint hit: nothing to prefill
+                clock.charge((head.host_work,))
+                self._after_prompt(head)
+                clock.charge(self._lanes())
+                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+
+    def _lanes(self) -> list[RequestHostWork]:
+        """The exposure records of the requests holding a lane (the members of a boundary pass)."""
+        return [seq.host_work for seq in (*self.scheduler.prefilling, *self.scheduler.decoding)]
 
     def _admitted(self, seq: Sequence) -> None:
+        """The admission commit: queue wait ends, the request takes a lane and joins the boundary's members."""
+        clock = self.clock
         now = time.monotonic()
         seq.admitted_at = now
+        clock.join(seq.host_work)
         seq.budget_open = seq.request.budget_close is not None
         self.scheduler.admitted(seq)
+        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
         seq.handle.publish(AdmittedEvent(seq.prompt_len, seq.cache_n, now))
         self._progress(seq, now)
-        if seq.fed == seq.prompt_len:  # an exact full-prompt checkpoint hit: nothing to prefill
+        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+        if seq.fed == seq.prompt_len:
             seq.prompt_done_at = now
-            self._after_prompt(seq, now)
 
     # -- prefill -----------------------------------------------------------------------------------
 
     def _prefill(self, seq: Sequence) -> None:
+        """One prompt chunk of ``seq`` (every segment is charged to it, prefill class unless maintenance)."""
+        clock = self.clock
+        clock.charge((seq.host_work,))
+        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.PREFILL)
         start = seq.fed
         end = min(start + self.config.prefill_chunk, seq.prompt_len)
         frontier = self._checkpoint_frontier(seq, start, end)
@@ -205,29 +258,38 @@ class Executor:
         drafter = self.drafter
         if drafter is None:
             wants_logits = last or frontier is not None
-            batch = self._batch([seq], [seq.tokens[start:end]], logits="last" if wants_logits else "none")
+            batch = build_batch([seq], [seq.tokens[start:end]], logits="last" if wants_logits else "none")
         else:  # the drafter needs every prompt position's hidden state; logits come from the last one
-            batch = self._batch(
+            batch = build_batch(
                 [seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True,
                 capture_layers=capture_layers(drafter),
             )
+        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.PREFILL)  # the drafter's LM head and observation are programs too
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
+        logits = self._chunk_logits(output) if last or frontier is not None else None
         features = None if drafter is None else observed_features(drafter, output)
         if drafter is not None and features is not None:
             drafter.observe(seq, start, features)
+        clock.switch(Phase.PROGRAM_POST, WorkClass.PREFILL)
         seq.fed = start + count
         now = time.monotonic()
         if frontier is not None:
-            self.memory.capture_prefix(seq, self._chunk_logits(output))
+            assert logits is not None
+            clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+            with clock.detail(Detail.CONTEXT_TRANSACTION):
+                self.memory.capture_prefix(seq, logits)
+        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.PREFILL)
         self._progress(seq, now)
         if not last:
             return
         seq.prompt_done_at = now
-        seq.last_logits = self._chunk_logits(output)
+        seq.last_logits = logits
         seq.last_logits_at = seq.fed
         if self.config.prefix_reuse:
-            self.memory.capture_prompt(seq)
-        self._after_prompt(seq, now)
+            clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+            with clock.detail(Detail.CONTEXT_TRANSACTION):
+                self.memory.capture_prompt(seq)
+        self._after_prompt(seq)
 
     def _checkpoint_frontier(self, seq: Sequence, start: int, end: int) -> int | None:
         """The first requested checkpoint frontier inside this chunk (before the prompt's end), if reuse is on."""
@@ -242,46 +304,62 @@ class Executor:
         assert output.hidden is not None, "the runtime returned no hidden states for a drafting prefill"
         return self.drafter.target_logits(output.hidden[-1:])[0]
 
-    def _after_prompt(self, seq: Sequence, now: float) -> None:
+    def _after_prompt(self, seq: Sequence) -> None:
         """The prompt is processed: sample the first token from its last logits (or finish at max_tokens 0)."""
+        clock = self.clock
         if seq.max_output == 0:
-            self._finish(seq, Finish("length"), now)
+            self._finish(seq, Finish("length"))
             return
+        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.PREFILL)
         self.scheduler.start_decoding(seq)
         assert seq.last_logits is not None
+        clock.await_device(self._device, WorkClass.PREFILL)
+        clock.switch(Phase.PROGRAM_POST, WorkClass.PREFILL)
         token = sample_tokens(seq.last_logits[None, :], [seq.sampler], self._vocab_limit)[0]
-        finish = commit_sampled(seq, token, time.monotonic())
-        if finish is not None:
-            self._finish(seq, finish, time.monotonic())
+        self._commit(seq, token, time.monotonic(), WorkClass.PREFILL)
 
     # -- decode ------------------------------------------------------------------------------------
 
     def _decode(self, step: DecodeStep) -> None:
+        """One decode (or speculative) round; every segment is charged to all of its rows."""
+        clock = self.clock
         rows = list(step.rows)
+        clock.charge(seq.host_work for seq in rows)
+        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
         self.decode_rounds += 1
         self.decode_row_rounds += len(rows)
         for seq in rows:
             seq.decode_rounds += 1
         if self._speculative is not None:
             for seq, finish in self._speculative.run(rows, time.monotonic):
-                self._finish(seq, finish, time.monotonic())
+                self._finish(seq, finish)
             return
         feeds = [seq.tokens[seq.fed :] for seq in rows]
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens))
-        output = self.runtime.forward(self._batch(rows, feeds, logits="last"), self.memory.kv, self.memory.state)
+        batch = build_batch(rows, feeds, logits="last")
+        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+        output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
+        clock.await_device(self._device, WorkClass.DECODE)
+        clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
         for index, seq in enumerate(rows):
             seq.fed = len(seq.tokens)
             seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
         tokens = sample_tokens(output.logits, [seq.sampler for seq in rows], self._vocab_limit)
         now = time.monotonic()
         for seq, token in zip(rows, tokens):
-            finish = commit_sampled(seq, token, now)
-            if finish is not None:
-                self._finish(seq, finish, now)
+            self._commit(seq, token, now, WorkClass.DECODE)
 
-    def _batch(self, rows: list[Sequence], feeds: list[list[int]], logits: str, **flags: Any) -> ForwardBatch:
-        return build_batch(rows, feeds, self._device, logits, **flags)
+    def _commit(self, seq: Sequence, token: int, now: float, work_class: int) -> None:
+        """Commit one sampled token (``engine_commit_output``; control class when it triggered a control insert)."""
+        clock = self.clock
+        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, work_class)
+        control_units = seq.control_units
+        finish = commit_sampled(seq, token, now)
+        if seq.control_units != control_units:
+            clock.reclassify(WorkClass.CONTROL)
+        if finish is not None:
+            self._finish(seq, finish)
 
     # -- endings -----------------------------------------------------------------------------------
 
@@ -292,13 +370,21 @@ class Executor:
                 ProgressEvent(seq.prompt_len, seq.cache_n, seq.fed, (now - seq.admitted_at) * 1000.0)
             )
 
-    def _finish(self, seq: Sequence, finish: Finish, now: float) -> None:
-        """Leave the batch, free (or checkpoint) memory, then publish the outcome."""
+    def _finish(self, seq: Sequence, finish: Finish) -> None:
+        """Leave the batch, free (or checkpoint) memory, then publish the outcome with the request's exposure.
+
+        The finish instant is taken after the request's last charged segment, so its exposure lies between its
+        admission and its finish."""
+        clock = self.clock
+        clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.forget(seq)
-        self.memory.release(seq, checkpoint=self.config.prefix_reuse)
-        seq.handle.finish(seq.outcome(finish.reason, finish.stop, now))
+        with clock.detail(Detail.CONTEXT_TRANSACTION, enabled=self.config.prefix_reuse and seq.slot is not None):
+            self.memory.release(seq, checkpoint=self.config.prefix_reuse)
+        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
+        clock.settle()
+        seq.handle.finish(seq.outcome(finish.reason, finish.stop, time.monotonic()))
 
     def _fail_everything(self, exc: BaseException) -> None:
         reason = f"engine-wide failure: {type(exc).__name__}: {exc}"
@@ -329,9 +415,8 @@ class Executor:
     def _shutdown_sequences(self) -> None:
         """A clean stop: every request still in flight ends as cancelled."""
         self._drain_inbox_after_stop()
-        now = time.monotonic()
         for seq in self.scheduler.sequences():
             try:
-                self._finish(seq, Finish("cancelled"), now)
+                self._finish(seq, Finish("cancelled"))
             except NinferError as exc:  # pragma: no cover - releasing memory cannot fail in a healthy engine
                 seq.handle.fail(exc)

@@ -9,6 +9,7 @@ import torch
 
 from ninfer.core.engine.admission import AdmissionTicket
 from ninfer.core.engine.handle import RequestHandle
+from ninfer.core.engine.host_work import RequestHostWork
 from ninfer.core.engine.request import FinishReason, GenerationOutcome, GenerationRequest, StopMatch
 from ninfer.core.engine.sampler import RowSampler
 from ninfer.core.engine.stops import OutputText
@@ -56,6 +57,7 @@ class Sequence:
     decode_rounds: int = 0
     prefill_units: int = 0
     control_units: int = 0
+    host_work: RequestHostWork = attrs.field(factory=RequestHostWork)
 
     @property
     def reserved_tokens(self) -> int:
@@ -88,6 +90,7 @@ class Sequence:
             decode_rounds=self.decode_rounds,
             prefill_units=self.prefill_units,
             control_units=self.control_units,
+            host_work=self.host_work.exposure() if finished_at is not None else None,
         )
 
     def outcome(self, reason: FinishReason, stop: StopMatch | None, finished_at: float) -> GenerationOutcome:

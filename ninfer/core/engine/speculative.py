@@ -18,6 +18,11 @@ One round over the decode batch:
 
 Rollback uses ``capture_states`` rather than replay: it costs one forward, no recompute, and transient memory of
 ``(k+1) x rows`` state copies per Gated-DeltaNet layer, freed after the round.
+
+Host-work phases (decode class): batch building is ``engine_boundary``; drafting, the verify forward and the
+drafter's observation of committed hidden states are ``program_submit`` (the drafter's own result reads are inside
+it); the explicit wait for the verify results is device wait; acceptance and rollback are ``program_post``; each
+committed token is ``engine_commit_output``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ninfer.core.engine.acceptance import TargetDistribution, decide, sample_tar
 from ninfer.core.engine.batching import build_batch
 from ninfer.core.engine.commit import Finish, commit_sampled
 from ninfer.core.engine.config import EngineConfig
+from ninfer.core.engine.host_work import HostWorkClock, Phase, WorkClass
 from ninfer.core.engine.memory import DrafterMemory
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.core.engine.sequence import Sequence
@@ -143,6 +149,7 @@ class SpeculativeRound:
         state: StateCache,
         ensure_pages: Callable[[Sequence, int], None],
         vocab_limit: int | None,
+        host_work: HostWorkClock,
     ) -> None:
         self.runtime = runtime
         self.drafter = drafter
@@ -151,6 +158,7 @@ class SpeculativeRound:
         self.ensure_pages = ensure_pages
         self.vocab_limit = vocab_limit
         self.device = runtime.spec.device
+        self.host_work = host_work
 
     def draft_count(self, seq: Sequence) -> int:
         """How many tokens ``seq`` drafts this round (0: a fallback step)."""
@@ -161,15 +169,19 @@ class SpeculativeRound:
 
     def run(self, rows: Seq[Sequence], clock: Callable[[], float]) -> list[tuple[Sequence, Finish]]:
         """One round over the decode batch; returns the rows that finished, with how (the caller releases them)."""
+        work = self.host_work
+        work.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
         counts = [self.draft_count(seq) for seq in rows]
         for seq, count in zip(rows, counts):
             self.ensure_pages(seq, len(seq.tokens) + count)
         drafting = [index for index, count in enumerate(counts) if count > 0]
         drafts = [Draft(())] * len(rows)
         if drafting:
+            work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
             made = self.drafter.draft([rows[i] for i in drafting], [counts[i] for i in drafting])
             for index, draft in zip(drafting, made):
                 drafts[index] = draft
+            work.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
         plans, feeds, offset = [], [], 0
         for seq, draft in zip(rows, drafts):
             feed = [*seq.tokens[seq.fed :], *draft.tokens]
@@ -177,11 +189,13 @@ class SpeculativeRound:
             feeds.append(feed)
             offset += len(feed)
         batch = build_batch(
-            rows, feeds, self.device, "all", capture_states=True, return_hidden=True,
-            capture_layers=capture_layers(self.drafter),
+            rows, feeds, "all", capture_states=True, return_hidden=True, capture_layers=capture_layers(self.drafter)
         )
+        work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
         output = self.runtime.forward(batch, self.kv, self.state)
         assert output.logits is not None and output.states is not None
+        work.await_device(self.device, WorkClass.DECODE)
+        work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
         finished = []
         now = clock()
         limited = output.logits[:, : self.vocab_limit] if self.vocab_limit is not None else output.logits
@@ -203,12 +217,14 @@ class SpeculativeRound:
         now: float,
     ) -> Finish | None:
         """Accept, commit and roll back one row; returns how it finishes (None: it continues)."""
+        work = self.host_work
         seq, drafted = plan.seq, plan.draft.tokens
         base = plan.offset + plan.pending - 1  # flat index of the logits after the last pending token
         old_fed = seq.fed
         accepted = 0
         finish: Finish | None = None
         for position in range(len(drafted) + 1):
+            work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
             if seq.sampler.greedy and seq.sampler.penalty is None:
                 target = TargetDistribution(argmax=argmax[base + position])
             else:
@@ -220,12 +236,17 @@ class SpeculativeRound:
             else:
                 token, ok = sample_target(target, seq.sampler.generator), False
             length = len(seq.tokens)
+            work.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
+            control_units = seq.control_units
             finish = commit_sampled(seq, token, now)
+            if seq.control_units != control_units:
+                work.reclassify(WorkClass.CONTROL)
             if ok:
                 accepted += 1
                 self._count_accept(seq, position)
             if finish is not None or not ok or len(seq.tokens) != length + 1:
                 break
+        work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
         verified = self._verified_prefix(seq, old_fed + plan.pending, drafted)
         last = base + verified  # flat index of the last committed token that was fed
         seq.fed = old_fed + plan.pending + verified
@@ -233,7 +254,9 @@ class SpeculativeRound:
         if last != plan.offset + plan.pending + len(drafted) - 1:
             self._restore_state(seq, states, last)
         if hidden is not None:
+            work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
             self.drafter.observe(seq, old_fed, hidden[plan.offset : last + 1])
+            work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
         self._count_round(seq, len(drafted), accepted)
         return finish
 

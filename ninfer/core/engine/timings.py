@@ -21,6 +21,27 @@ def _rate_pair(count: int, ms: float) -> tuple[float, float]:
 
 
 @attrs.frozen
+class HostExposure:
+    """One request's engine exposure in seconds: every executor segment it took part in, charged in full.
+
+    ``phases`` are the five host phases in ``engine_boundary, program_submit, program_post, engine_commit_output,
+    engine_maintenance`` order; ``device_wait`` is the blocking device wait (not host time); ``decode_host`` and
+    ``decode_device_wait`` are their decode-class subsets. Concurrent requests share segments, so exposures of
+    different requests must not be added up.
+    """
+
+    phases: tuple[float, ...] = (0.0,) * 5
+    device_wait: float = 0.0
+    decode_host: float = 0.0
+    decode_device_wait: float = 0.0
+
+    @property
+    def host_total(self) -> float:
+        """Exactly the sum of ``phases``, added in order."""
+        return sum(self.phases)
+
+
+@attrs.frozen
 class RequestTimings:
     """A snapshot of one request's timing marks and token counters."""
 
@@ -38,6 +59,7 @@ class RequestTimings:
     decode_rounds: int = 0  # decode (or speculative) rounds this request took part in
     prefill_units: int = 0  # prefill chunks computed for it
     control_units: int = 0  # control insertions committed without sampling (budget close)
+    host_work: HostExposure | None = None  # engine exposure (terminal snapshot only)
 
     @property
     def queue_wait_s(self) -> float:

@@ -18,11 +18,13 @@ from typing import Any
 
 import attrs
 
+from ninfer.core.engine.host_work import HOST_PHASES as HOST_PHASE_ORDER, PHASE_NAMES
+from ninfer.core.engine.timings import HostExposure
 from ninfer.core.errors import ConfigError, NinferError
 
 SCHEMA = "ninfer_serve_request_log"
 SCHEMA_VERSION = 20
-HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
+HOST_PHASES = tuple(PHASE_NAMES[phase] for phase in HOST_PHASE_ORDER)
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 
 
@@ -274,23 +276,26 @@ def cache_summary(prompt_tokens: int, cached_tokens: int) -> str:
 
 
 def engine_timing_fields(timings: Any, submitted_at: float) -> dict[str, Any]:
-    """Queue wait and the engine's host exposure.
+    """Queue wait and the request's measured engine exposure (``RequestTimings.host_work``).
 
-    The engine does not split its per-request time into the five host phases or separate device waits yet:
-    the measured admission-to-finish engine time goes to ``program_submit`` (model programs run synchronously
-    on the executor) and every other phase, and device wait, is 0.0.
+    Every executor segment the request took part in is charged in full, so concurrent requests' values overlap.
+    ``total`` is computed from exactly the five phase values written (a request without an exposure, one that never
+    reached the executor, reports zeros).
     """
     admitted = timings.admitted_at
     end = timings.finished_at if timings.finished_at is not None else timings.last_token_at
     queue_wait = max((admitted if admitted is not None else (end or submitted_at)) - submitted_at, 0.0)
-    engine_active = max(end - admitted, 0.0) if admitted is not None and end is not None else 0.0
-    phases = {name: 0.0 for name in HOST_PHASES}
-    phases["program_submit"] = engine_active
+    exposure = timings.host_work if timings.host_work is not None else HostExposure()
+    phases = dict(zip(HOST_PHASES, exposure.phases))
     return {
         "queue_wait_seconds": queue_wait,
-        "device_wait_exposed_seconds": 0.0,
-        "host_exposed_seconds": {**phases, "total": sum(phases.values())},
-        "decode": {"host_exposed_seconds": timings.decode_s, "device_wait_seconds": 0.0, "rounds": timings.decode_rounds},
+        "device_wait_exposed_seconds": exposure.device_wait,
+        "host_exposed_seconds": {**phases, "total": exposure.host_total},
+        "decode": {
+            "host_exposed_seconds": exposure.decode_host,
+            "device_wait_seconds": exposure.decode_device_wait,
+            "rounds": timings.decode_rounds,
+        },
         "units": {"prefill": timings.prefill_units, "control": timings.control_units},
     }
 

@@ -2,9 +2,10 @@
 
 Token counters are fed by the protocol layer as it receives engine commits (:class:`ThroughputCounters`);
 the scheduler snapshot comes from ``Engine.stats()`` at the end of the interval. Fully idle intervals
-(no counter moved and nothing outstanding) are omitted. Decode rounds come from
-the engine's cumulative counters (interval deltas). Counters the engine does not measure yet (host work,
-context-cache activity) are reported as null; see ``docs/request-log.md``.
+(no counter moved and nothing outstanding) are omitted. Decode rounds and host work are deltas of the totals the
+engine worker last published (:class:`HostWorkTotals`: each wall-time segment counted once, whatever the batch
+size). Counters the engine does not measure yet (context-cache activity) are reported as null; see
+``docs/request-log.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.core.engine.host_work import CLASS_NAMES, DETAIL_NAMES, HOST_PHASES, PHASE_NAMES, HostWorkTotals, Phase
 from ninfer.core.observability import oplog
 
 
@@ -78,8 +80,48 @@ class RoundCounts:
         return self.row_rounds / self.rounds if self.rounds else None
 
 
+def _per(seconds: float, count: int) -> float | None:
+    """A normalized value: null when its denominator is zero."""
+    return seconds / count if count > 0 else None
+
+
+def host_work_fields(work: HostWorkTotals) -> dict[str, Any]:
+    """The JSONL ``host_work`` object of one interval's worker deltas."""
+    phases = {PHASE_NAMES[phase]: work.phase_seconds(phase) for phase in HOST_PHASES}
+    classes = {
+        name: {
+            "host_seconds": work.class_host_seconds(work_class),
+            "device_wait_seconds": work.class_device_wait_seconds(work_class),
+        }
+        for work_class, name in enumerate(CLASS_NAMES)
+    }
+    details = {name: work.detail_seconds(detail) for detail, name in enumerate(DETAIL_NAMES)}
+    invocations = dict(zip(DETAIL_NAMES, work.detail_invocations))
+    decode = classes["decode"]
+    return {
+        "elapsed_seconds": {**phases, "total": sum(phases.values())},
+        "device_wait_seconds": work.phase_seconds(Phase.DEVICE_WAIT),
+        "work_class_seconds": classes,
+        "detail_subset_seconds": details,
+        "detail_invocations": invocations,
+        "normalized": {
+            "decode_host_seconds_per_round": _per(decode["host_seconds"], work.decode_rounds),
+            "decode_device_wait_seconds_per_round": _per(decode["device_wait_seconds"], work.decode_rounds),
+            "decode_host_seconds_per_row_round": _per(decode["host_seconds"], work.decode_row_rounds),
+            "decode_device_wait_seconds_per_row_round": _per(decode["device_wait_seconds"], work.decode_row_rounds),
+            "detail_seconds_per_invocation": {name: _per(details[name], invocations[name]) for name in details},
+        },
+    }
+
+
+def host_active_seconds(work: HostWorkTotals) -> float:
+    """The interval's host-active time: the five host phases (device wait excluded)."""
+    return sum(work.phase_seconds(phase) for phase in HOST_PHASES)
+
+
 def throughput_fields(
-    counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts()
+    counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts(),
+    host_work: HostWorkTotals | None = None,
 ) -> dict[str, Any]:
     """The JSONL ``throughput`` event body."""
     memory = stats.memory
@@ -104,12 +146,16 @@ def throughput_fields(
             "counters": None,
             "last_selection": None,
         },
-        "host_work": None,
+        "host_work": None if host_work is None else host_work_fields(host_work),
     }
 
 
-def pretty_line(counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts()) -> str:
-    """The rounded stderr summary: nonzero rates and counts, the running composition, nonzero waiting."""
+def pretty_line(
+    counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts(),
+    host_work: HostWorkTotals | None = None,
+) -> str:
+    """The rounded stderr summary: nonzero rates and counts, the running composition, nonzero waiting, host-active
+    time and its fraction of the interval."""
     parts = []
     if counts.prefill_tokens:
         parts.append(f"prefill {counts.prefill_tokens} tok ({counts.prefill_tokens / interval_seconds:.1f} tok/s)")
@@ -123,6 +169,9 @@ def pretty_line(counts: IntervalCounts, interval_seconds: float, stats: Any, rou
     parts.append(f"running {snapshot['running']} (prefill {snapshot['prefilling']}, decode {snapshot['decode_ready']})")
     if snapshot["waiting"]:
         parts.append(f"waiting {snapshot['waiting']}")
+    if host_work is not None:
+        active = host_active_seconds(host_work)
+        parts.append(f"host active {active:.2f} s ({100.0 * active / interval_seconds:.1f}%)")
     return f"throughput {interval_seconds:.1f} s: " + ", ".join(parts)
 
 
@@ -139,9 +188,15 @@ class ThroughputReporter:
         self._stop = threading.Event()
         self._last = time.monotonic()
         self._last_rounds = RoundCounts()
+        self._last_host = HostWorkTotals.zero()
         self._thread = threading.Thread(target=self._run, name="ninfer-throughput", daemon=True)
 
     def start(self) -> None:
+        """Start reporting; work the engine did before now (startup) is not reported."""
+        host = self.engine.stats().host_work
+        if host is not None:
+            self._last_host = host
+            self._last_rounds = RoundCounts(host.decode_rounds, host.decode_row_rounds)
         self._last = time.monotonic()
         self._thread.start()
 
@@ -168,12 +223,18 @@ class ThroughputReporter:
         """Emit one report unless the interval was fully idle; returns whether it reported."""
         counts = self.counters.take()
         stats = self.engine.stats()
-        total = RoundCounts(stats.decode_rounds, stats.decode_row_rounds)
+        host = stats.host_work
+        host_delta = None if host is None else host.minus(self._last_host)
+        if host is not None:  # rounds at the instant the host work was published, so the two are consistent
+            self._last_host = host
+            total = RoundCounts(host.decode_rounds, host.decode_row_rounds)
+        else:
+            total = RoundCounts(stats.decode_rounds, stats.decode_row_rounds)
         rounds = RoundCounts(total.rounds - self._last_rounds.rounds, total.row_rounds - self._last_rounds.row_rounds)
         self._last_rounds = total
         if counts.idle() and stats.outstanding == 0 and rounds.rounds == 0:
             return False
-        oplog.get_logger().info(pretty_line(counts, interval_seconds, stats, rounds))
+        oplog.get_logger().info(pretty_line(counts, interval_seconds, stats, rounds, host_delta))
         if self.request_log is not None:
-            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats, rounds))
+            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats, rounds, host_delta))
         return True

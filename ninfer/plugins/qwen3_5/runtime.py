@@ -75,13 +75,14 @@ class Qwen35Runtime:
         if self.decoder is not None and not batch.capture_layers and self.decoder.supports(batch):
             return self.decoder.forward(batch, kv, state)
         device = self.model.device
+        token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)  # host batches move once
         layout = BatchLayout.build(
             batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device
         )
         layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
             hidden, captured = self.model.run(
-                batch.token_ids, batch.positions, layout, kv, state, batch.capture_states, layer_outputs
+                token_ids, positions, layout, kv, state, batch.capture_states, layer_outputs
             )
             selected = hidden[layout.last_token_index] if batch.logits == "last" else hidden
             logits = None if batch.logits == "none" else self.model.logits(selected)
