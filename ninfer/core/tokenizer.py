@@ -332,6 +332,11 @@ class Tokenizer:
             raise InvalidRequestError(f"token id {token_id} is not in the vocabulary", code="invalid_token_id")
         return token_bytes
 
+    def prepare_detokenization(self) -> None:
+        """Build the id -> bytes table now (about a second for the Qwen vocabulary) rather than on the first decode."""
+        if self._bytes_table is None:
+            self._build_bytes_table()
+
     def _checked_id(self, token_id: int) -> int:
         try:
             index = operator.index(token_id)

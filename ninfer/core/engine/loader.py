@@ -28,10 +28,13 @@ def eos_token_ids(manifest: Manifest) -> tuple[int, ...]:
 
 
 def artifact_tokenizer(artifact: Any) -> Any:
-    """The artifact's own tokenizer (``resource/tokenizer/tokenizer.json``)."""
+    """The artifact's own tokenizer (``resource/tokenizer/tokenizer.json``), ready to detokenize (its byte table is
+    built at load, not on the engine thread during the first request)."""
     from ninfer.core.tokenizer import Tokenizer
 
-    return Tokenizer.from_json(artifact.resource_text(TOKENIZER_RESOURCE))
+    tokenizer = Tokenizer.from_json(artifact.resource_text(TOKENIZER_RESOURCE))
+    tokenizer.prepare_detokenization()
+    return tokenizer
 
 
 def build_drafter(
