@@ -1,0 +1,72 @@
+"""One short H200 pass over the headline numbers: batch-1 and 8-row decode, TTFT at 8192 and its top kernels.
+
+Usage (CUDA machine): ``python scripts/gpu_quick.py OUT qwen3.6-27b qwen3.6-35b-a3b``. Random bf16 weights, no
+transformers model; same protocol as ``scripts/gpu_host_overhead.py`` (256 tokens of context, 32 timed steps).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ninfer.bench_synthetic import (
+    Clock, _weight_bytes, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, decode_bytes, profile_prefill,
+)
+from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
+from ninfer.plugins.qwen3_5.presets import preset_config
+from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+
+STEPS, CONTEXT = 32, 256
+
+
+def run(name: str, out: Path) -> dict:
+    device = torch.device("cuda")
+    config_dict = preset_config(name)
+    config = Qwen35TextConfig.from_hf(config_dict)
+    clock = Clock(device)
+    bandwidth = copy_bandwidth(device, clock)
+    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
+    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
+    del tensors
+    weight_bytes, expert_bytes = _weight_bytes(runtime)
+    prompts = torch.randint(0, config.vocab_size, (8, CONTEXT), generator=torch.Generator().manual_seed(0))
+    result: dict = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9}
+    for rows in (1, 8):
+        roofline = rows / (decode_bytes(config, weight_bytes, expert_bytes, rows, CONTEXT + 4) / bandwidth)
+        elapsed, _, replay = bench_ninfer_decode(runtime, prompts[:rows], STEPS, clock)
+        tok_s = rows * STEPS / (elapsed / 1e3)
+        result[f"decode_{rows}"] = {"tok_s": tok_s, "roofline_tok_s": roofline, "of_roofline": tok_s / roofline,
+                                    "step_ms": elapsed / STEPS, "replay_ms": replay,
+                                    "replay_of_roofline": rows / (replay / 1e3) / roofline if replay else None}
+        print(name, f"decode rows={rows}", json.dumps(result[f"decode_{rows}"]), flush=True)
+    long_prompt = torch.randint(0, config.vocab_size, (8192,), generator=torch.Generator().manual_seed(1))
+    result["ttft_8192_ms"] = bench_ninfer_prefill(runtime, long_prompt, clock, 2)
+    print(name, "TTFT 8192 ms", round(result["ttft_8192_ms"], 1), flush=True)
+    result["prefill_profile"] = profile_prefill(runtime, long_prompt, top=14)
+    for row in result["prefill_profile"]:
+        print(f"  {row['total_us'] / 1e3:8.1f} ms  x{row['calls']:<6} {row['kernel'][:90]}", flush=True)
+    (out / f"quick_{name}.json").write_text(json.dumps(result, indent=2))
+    del runtime
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(out_dir: str, *names: str) -> int:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [run(name, out) for name in names]
+    print("| model | b1 tok/s (of roofline) | graphs b2b of roofline | 8 rows tok/s (of roofline) | TTFT 8192 ms |")
+    for r in results:
+        d1, d8 = r["decode_1"], r["decode_8"]
+        print(f"| {r['model']} | {d1['tok_s']:.1f} ({d1['of_roofline']:.1%}) | {d1['replay_of_roofline'] or 0:.1%} | "
+              f"{d8['tok_s']:.1f} ({d8['of_roofline']:.1%}) | {r['ttft_8192_ms']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
