@@ -21,16 +21,15 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare(
+def check_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-    scale: float | None,
-) -> tuple[torch.Tensor, ...]:
-    """Check shapes; return head-major fp32 ``q, k [B,Hv,T,Dk]``, ``v [B,Hv,T,Dv]``, ``g, beta [B,Hv,T]``, state."""
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the rule's inputs (ValueError naming the tensor); ``(B, T, Hk, Dk, Hv, Dv)``."""
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, Hk, Dk]; got {tuple(q.shape)} and {tuple(k.shape)}")
     batch, length, key_heads, key_dim = k.shape
@@ -43,10 +42,24 @@ def _prepare(
         if tuple(tensor.shape) != (batch, length, value_heads):
             raise ValueError(f"{name} must be [B, T, Hv] = {(batch, length, value_heads)}; got {tuple(tensor.shape)}")
     state_shape = (batch, value_heads, key_dim, value_dim)
-    if initial_state is None:
-        state = torch.zeros(state_shape, dtype=torch.float32, device=v.device)
-    elif tuple(initial_state.shape) != state_shape:
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"initial_state must be [B, Hv, Dk, Dv] = {state_shape}; got {tuple(initial_state.shape)}")
+    return batch, length, key_heads, key_dim, value_heads, value_dim
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor, ...]:
+    """Check shapes; return head-major fp32 ``q, k [B,Hv,T,Dk]``, ``v [B,Hv,T,Dv]``, ``g, beta [B,Hv,T]``, state."""
+    batch, _, key_heads, key_dim, value_heads, value_dim = check_shapes(q, k, v, g, beta, initial_state)
+    if initial_state is None:
+        state = torch.zeros((batch, value_heads, key_dim, value_dim), dtype=torch.float32, device=v.device)
     else:
         state = initial_state.float()
     group = value_heads // key_heads

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.gated_delta import L2_EPS
+from ninfer.kernels.gated_delta import L2_EPS, check_shapes
 from ninfer.kernels.triton import interpreting
 
 CHUNK = 64
@@ -274,20 +274,7 @@ def _check_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
 ) -> None:
-    if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, Hk, Dk]; got {tuple(q.shape)} and {tuple(k.shape)}")
-    batch, length, key_heads, key_dim = k.shape
-    if v.dim() != 4 or v.shape[:2] != (batch, length):
-        raise ValueError(f"v must be [B, T, Hv, Dv] with B={batch}, T={length}; got {tuple(v.shape)}")
-    value_heads, value_dim = v.shape[2:]
-    if value_heads % key_heads:
-        raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({key_heads})")
-    for name, tensor in (("g", g), ("beta", beta)):
-        if tuple(tensor.shape) != (batch, length, value_heads):
-            raise ValueError(f"{name} must be [B, T, Hv] = {(batch, length, value_heads)}; got {tuple(tensor.shape)}")
-    state_shape = (batch, value_heads, key_dim, value_dim)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be [B, Hv, Dk, Dv] = {state_shape}; got {tuple(initial_state.shape)}")
+    _, _, _, key_dim, _, value_dim = check_shapes(q, k, v, g, beta, initial_state)
     if not fused_dims_supported(key_dim, value_dim):
         raise ValueError(f"the fused kernels need power-of-two head dims in [16, 128]; got Dk={key_dim}, Dv={value_dim}")
     if len({t.device for t in (q, k, v, g, beta)}) != 1:
