@@ -120,7 +120,9 @@ def synthetic_prompts(rng: random.Random, count: int, length: int, vocab_limit: 
 @click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="auto", show_default=True, help="weight dtype")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the synthetic prompts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--spec", default=None, metavar="NAME", help="speculative backend (mtp); needs --draft-tokens")
+@click.option("--spec", default=None, metavar="NAME",
+              help="speculative backend (mtp); needs --draft-tokens; with --synthetic: the cost of one round "
+                   "(draft + verify + acceptance/rollback) against a plain decode step, and the projected decode rate")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="draft tokens per speculative round")
 @click.option("--lm-head-draft", is_flag=True, help="draft with the reduced (frequency-ranked) proposal head")
 @click.pass_context
@@ -145,8 +147,20 @@ def bench_command(
     lm_head_draft: bool,
 ) -> None:
     """Offline benchmark: prefill and decode throughput, TTFT and inter-token latency percentiles."""
+    if (spec is None) != (draft_tokens is None) or (lm_head_draft and spec is None):
+        raise click.UsageError("--spec and --draft-tokens go together (--lm-head-draft needs both)")
     if synthetic is not None:
         explicit = lambda name: ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE  # noqa: E731
+        if spec is not None:
+            assert draft_tokens is not None
+            _synthetic_spec_bench(
+                synthetic, spec, draft_tokens, lm_head_draft,
+                concurrency=(concurrency,) if explicit("concurrency") else (1, 4),
+                context=prompt_len if explicit("prompt_len") else 256,
+                rounds=repeats if explicit("repeats") else 12, warmup=warmup if explicit("warmup") else 3,
+                cuda_graphs=not no_cuda_graph, device=device, as_json=as_json,
+            )
+            return
         from ninfer.bench_synthetic import run_synthetic_bench
 
         try:
@@ -181,8 +195,6 @@ def bench_command(
         kv_capacity=tokens_per_request * concurrency,
         prefix_reuse=False,
     )
-    if (spec is None) != (draft_tokens is None) or (lm_head_draft and spec is None):
-        raise click.UsageError("--spec and --draft-tokens go together (--lm-head-draft needs both)")
     from ninfer.core.engine.speculative import SpeculativeConfig
 
     speculative = SpeculativeConfig(spec, draft_tokens, lm_head_draft) if spec is not None and draft_tokens else None
@@ -218,6 +230,24 @@ def bench_command(
         **attrs.asdict(result),
     }
     click.echo(json.dumps(report) if as_json else _pretty(report))
+
+
+def _synthetic_spec_bench(
+    name: str, spec: str, draft_tokens: int, lm_head_draft: bool, *, concurrency: tuple[int, ...], context: int,
+    rounds: int, warmup: int, cuda_graphs: bool, device: str | None, as_json: bool,
+) -> None:
+    """``--synthetic NAME --spec mtp``: the cost of one speculative round (``ninfer.bench_spec``); ``--prompt-len``
+    is the context, ``--repeats`` / ``--warmup`` count timed / untimed rounds per acceptance."""
+    from ninfer.bench_spec import run_spec_bench
+
+    try:
+        run_spec_bench(
+            name, draft_tokens=draft_tokens, backend=spec, lm_head_draft=lm_head_draft, concurrency=concurrency,
+            context=context, rounds=rounds, warmup=warmup, cuda_graphs=cuda_graphs, device=device, json=as_json,
+            echo=click.echo,
+        )
+    except NinferError as exc:
+        raise click.ClickException(exc.message) from None
 
 
 def _pretty(report: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
-"""Decode-side gated attention: q/k RMSNorm + partial MRoPE + paged KV write, and split-K paged decode attention.
+"""Decode-side gated attention: q/k RMSNorm + partial MRoPE + paged KV write, and split-K paged attention for one
+query token per row (decode) or a few causal ones (speculative verify).
 
 Twins: ``rms_norm(zero_centered)`` + ``apply_rotary`` + ``write_paged_kv`` for the first kernel and
-``paged_attention`` followed by ``* sigmoid(gate)`` for the second. The fused projection row of a token is
+``paged_attention`` followed by ``* sigmoid(gate)`` for the others. The fused projection row of a token is
 ``[q0 | gate0 | q1 | gate1 | ... | k (Hkv*D) | v (Hkv*D)]`` as the checkpoint's interleaved q_proj plus k/v.
 Every launch has a fixed grid and reads lengths from device memory, so it can be captured in a CUDA graph.
 """
@@ -273,6 +274,139 @@ def paged_attention_decode(
         raise ValueError(f"gate must be [B, Hq, D] = {tuple(q.shape)} with a unit last stride")
     _decode_reduce_kernel[(batch, query_heads)](
         partial_out, partial_max, partial_sum, total_lens,
+        gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0, out, num_splits,
+        QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _verify_partial_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    page_tables_ptr,
+    page_tables_stride,
+    context_lens_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    scale,
+    page_size,
+    num_splits,
+    TOKENS: tl.constexpr,
+    QUERY_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    M_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + row)
+    total = context + TOKENS
+    start = split * SPLIT
+    if start < total:
+        m = tl.arange(0, M_PAD)  # query m of this KV head: the row's token m // GROUP, query head m % GROUP
+        valid_query = m < TOKENS * GROUP
+        token = row * TOKENS + m // GROUP
+        heads = kv_head * GROUP + m % GROUP
+        visible_end = context + m // GROUP + 1  # causal: cached tokens and new tokens up to this one
+        d = tl.arange(0, D)
+        q_offsets = (token * QUERY_HEADS + heads)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=valid_query[:, None], other=0.0)
+        running_max = tl.full((M_PAD,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((M_PAD,), tl.float32)
+        acc = tl.zeros((M_PAD, D), tl.float32)
+        end = tl.minimum(start + SPLIT, total)
+        for block in range(start, end, BLOCK_N):
+            index = block + tl.arange(0, BLOCK_N)
+            valid = index < end
+            page = tl.load(page_tables_ptr + row * page_tables_stride + index // page_size, mask=valid, other=0)
+            slot = page.to(tl.int64) * page_size + index % page_size
+            offsets = (slot * KV_HEADS + kv_head)[:, None] * D + d[None, :]
+            k = tl.load(key_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            scores = tl.where(valid[None, :] & (index[None, :] < visible_end[:, None]), scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # a query may see nothing in this split yet (its keys end before it): keep its sums at zero, not NaN
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            alpha = tl.exp(running_max - shift)
+            p = tl.exp(scores - shift[:, None])
+            running_sum = running_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(value_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            running_max = new_max
+        stat = (token * QUERY_HEADS + heads) * num_splits + split
+        tl.store(partial_max_ptr + stat, running_max, mask=valid_query)
+        tl.store(partial_sum_ptr + stat, running_sum, mask=valid_query)
+        tl.store(partial_out_ptr + stat[:, None] * D + d[None, :], acc, mask=valid_query[:, None])
+
+
+def paged_attention_verify(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    tokens_per_row: int,
+    scale: float,
+    gate: torch.Tensor | None = None,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
+    """``tokens_per_row`` query tokens per row (a speculative verify) over the row's paged KV, causal among them.
+
+    Row r's new tokens are ``q[r*n : (r+1)*n]`` (``q [R*n, Hq, D]``, contiguous); their KV is already in the pages
+    after the row's ``context_lens[r]`` cached tokens, and new token i attends to the cached tokens and new tokens
+    ``<= i``. Each program reads one split of one row's KV once for all its ``n x Hq/Hkv`` queries; the split
+    results are merged by the decode reduce kernel. Caches, page tables, ``gate`` and the fixed grid are as in
+    :func:`paged_attention_decode`. Returns ``[R*n, Hq*D]``.
+    """
+    tokens, query_heads, dim = q.shape
+    _, page_size, kv_heads, cache_dim = key_cache.shape
+    rows = context_lens.shape[0]
+    if tokens_per_row < 1 or rows * tokens_per_row != tokens:
+        raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {tokens} query tokens")
+    if cache_dim != dim or query_heads % kv_heads:
+        raise ValueError(f"q [T, {query_heads}, {dim}] does not fit caches with {kv_heads} KV heads of dim {cache_dim}")
+    if not q.is_contiguous() or page_tables.stride(1) != 1 or page_tables.shape[0] != rows:
+        raise ValueError("q must be contiguous and page_tables [R, P] must have contiguous rows")
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"gate must be [T, Hq, D] = {tuple(q.shape)} with a unit last stride")
+    max_tokens = page_tables.shape[1] * page_size
+    split = split_tokens or decode_split_tokens(max_tokens)
+    num_splits = triton.cdiv(max_tokens, split)
+    group = query_heads // kv_heads
+    m_pad = max(16, next_power_of_2(tokens_per_row * group))
+    stats_shape = (tokens, query_heads, num_splits)
+    partial_max = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    partial_out = torch.empty((*stats_shape, dim), dtype=torch.float32, device=q.device)
+    _verify_partial_kernel[(rows, kv_heads, num_splits)](
+        q, key_cache, value_cache, page_tables, page_tables.stride(0), context_lens,
+        partial_out, partial_max, partial_sum, scale, page_size, num_splits,
+        TOKENS=tokens_per_row, QUERY_HEADS=query_heads, KV_HEADS=kv_heads, GROUP=group, M_PAD=m_pad, D=dim,
+        # 16 keys per step at 8 warps keeps the [M_PAD, 256] accumulator in registers (sm_90: no spill at M_PAD 32)
+        BLOCK_N=16 if m_pad * dim >= 8192 else 64, SPLIT=split, IEEE=q.dtype == torch.float32,
+        num_warps=8 if m_pad * dim >= 8192 else 4,
+    )
+    # token i of row r sees context_lens[r] + i + 1 keys: that many splits hold its partial results
+    token_lens = (context_lens[:, None] + torch.arange(1, tokens_per_row + 1, device=q.device)).reshape(tokens)
+    out = torch.empty((tokens, query_heads * dim), dtype=q.dtype, device=q.device)
+    _decode_reduce_kernel[(tokens, query_heads)](
+        partial_out, partial_max, partial_sum, token_lens,
         gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
         gate.stride(1) if gate is not None else 0, out, num_splits,
         QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, num_warps=4,

@@ -1,5 +1,6 @@
-"""Causal depthwise conv + SiLU: a single step for decode (updating each row's conv window in place) and a whole
-prefill chunk continuing from a window.
+"""Causal depthwise conv + SiLU: a single step for decode (updating each row's conv window in place), a few tokens
+per row for speculative verify (the window after every token kept for rollback) and a whole prefill chunk
+continuing from a window.
 
 Twin: ``ninfer.kernels.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
 first; after a step it holds the last K-1 inputs including the new one.
@@ -62,6 +63,103 @@ def causal_conv1d_update(
     block = 256
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
         x, x.stride(0), weight, conv_cache, conv_cache.stride(0), slots, out, channels, WINDOW=window, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _conv_verify_kernel(
+    x_ptr,
+    x_stride,
+    weight_ptr,
+    cache_ptr,
+    cache_slot_stride,
+    slots_ptr,
+    out_ptr,
+    states_ptr,
+    channels,
+    TOKENS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chans = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = chans < channels
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    window_ptr = cache_ptr + slot * cache_slot_stride + chans * WINDOW
+    first = row * TOKENS
+    # input at row time s (compile-time): the cached window for s < 0, else the row's token s
+    for t in tl.static_range(TOKENS):
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(WINDOW + 1):
+            source = t - WINDOW + j
+            if source < 0:
+                value = tl.load(window_ptr + (source + WINDOW), mask=mask, other=0.0)
+            else:
+                value = tl.load(x_ptr + (first + source) * x_stride + chans, mask=mask, other=0.0)
+            tap = tl.load(weight_ptr + chans * (WINDOW + 1) + j, mask=mask, other=0.0)
+            acc += value.to(tl.float32) * tap.to(tl.float32)
+        y = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + (first + t) * channels + chans, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if STORE_STATES:  # the window after token t: inputs t-WINDOW+1 .. t
+            for i in tl.static_range(WINDOW):
+                kept = t - WINDOW + 1 + i
+                if kept < 0:
+                    value = tl.load(window_ptr + (kept + WINDOW), mask=mask, other=0.0)
+                else:
+                    value = tl.load(x_ptr + (first + kept) * x_stride + chans, mask=mask, other=0.0)
+                state_offset = ((first + t) * channels + chans) * WINDOW + i
+                tl.store(states_ptr + state_offset, value.to(states_ptr.dtype.element_ty), mask=mask)
+    # the final window, slot by slot: slot i reads window slot TOKENS + i (> i) before anything overwrites it
+    for i in tl.static_range(WINDOW):
+        kept = TOKENS - WINDOW + i
+        if kept < 0:
+            value = tl.load(window_ptr + (kept + WINDOW), mask=mask, other=0.0)
+        else:
+            value = tl.load(x_ptr + (first + kept) * x_stride + chans, mask=mask, other=0.0)
+        tl.store(window_ptr + i, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    tokens_per_row: int,
+    states_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``tokens_per_row`` consecutive tokens per row: ``x [R*q, C]`` (contiguous rows, a row's tokens adjacent),
+    ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [R]``.
+
+    Returns ``silu(conv) [R*q, C]`` in x.dtype and leaves each row's window after its last token in its slot. With
+    ``states_out [>= R*q, C, K-1]`` (contiguous, any dtype) the window after every token is stored there too.
+    """
+    tokens, channels = x.shape
+    rows = slots.shape[0]
+    if tokens_per_row < 1 or rows * tokens_per_row != tokens:
+        raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {tokens} tokens")
+    if x.stride(1) != 1:
+        raise ValueError("x must have contiguous rows")
+    if weight.shape[0] != channels or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [C={channels}, K]; got {tuple(weight.shape)}")
+    window = weight.shape[1] - 1
+    if conv_cache.dim() != 3 or tuple(conv_cache.shape[1:]) != (channels, window) or conv_cache.stride(2) != 1:
+        raise ValueError(f"conv_cache must be [S, {channels}, {window}] with contiguous windows")
+    if conv_cache.stride(1) != window:
+        raise ValueError("conv_cache windows must be packed ([S, C, K-1] contiguous per slot)")
+    if states_out is not None and (
+        states_out.shape[0] < tokens or tuple(states_out.shape[1:]) != (channels, window)
+        or not states_out.is_contiguous()
+    ):
+        raise ValueError(f"states_out must be a contiguous [>= {tokens}, {channels}, {window}] tensor")
+    out = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
+    block = 256
+    _conv_verify_kernel[(rows, triton.cdiv(channels, block))](
+        x, x.stride(0), weight, conv_cache, conv_cache.stride(0), slots, out,
+        states_out if states_out is not None else out, channels,
+        TOKENS=tokens_per_row, WINDOW=window, BLOCK=block, STORE_STATES=states_out is not None,
     )
     return out
 

@@ -4,11 +4,15 @@
 full-attention decoder layer with its own paged KV, ``mtp.norm`` and the trunk's lm_head. The embedding and lm_head
 are shared with the trunk. Feed the trunk's final-normed hidden state at position t with token t+1 (at position t);
 the returned hidden state (after ``mtp.norm``) feeds the next chained step.
+
+On CUDA the chained steps (one token per row) can run through the decode path's fused Triton kernels
+(:meth:`Qwen35MTP.decode_step`): device-resident inputs and outputs, no host sync, the greedy proposal taken on the
+device, so k chained steps cost k launches' worth of GPU time and one transfer at the end.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import attrs
 import torch
@@ -17,7 +21,14 @@ import torch.nn.functional as F
 from ninfer.core.runtime import AttentionLayerSpec, KVCache, RuntimeSpec
 from ninfer.kernels.norms import rms_norm
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION
-from ninfer.plugins.qwen3_5.layers import BatchLayout, DecoderLayerWeights, finish_layer, full_attention
+from ninfer.plugins.qwen3_5.fused import FusedProjections, fuse_layer
+from ninfer.plugins.qwen3_5.layers import (
+    BatchLayout,
+    DecoderLayerWeights,
+    FullAttentionWeights,
+    finish_layer,
+    full_attention,
+)
 from ninfer.plugins.qwen3_5.model import (
     ForwardBatchError,
     Qwen35Model,
@@ -26,6 +37,9 @@ from ninfer.plugins.qwen3_5.model import (
     load_decoder_layer,
 )
 from ninfer.plugins.qwen3_5.weights import MTP_PREFIX, mtp_weights
+
+if TYPE_CHECKING:
+    from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner
 
 
 @attrs.frozen
@@ -56,6 +70,7 @@ class Qwen35MTP:
             device=model.device,
             max_position_embeddings=config.max_position_embeddings,
         )
+        self._fused: tuple[FusedProjections, ...] | None = None
 
     @classmethod
     def load(cls, loader: WeightLoader, model: Qwen35Model) -> "Qwen35MTP | None":
@@ -134,3 +149,63 @@ class Qwen35MTP:
             return None, out
         selected = out if logits == "all" else out[layout.last_token_index]
         return model.logits(selected), out
+
+    def fused_projections(self) -> tuple[FusedProjections, ...]:
+        """The MTP layers' concatenated input projections (``fuse_layer``), made on first use; the module's weights
+        become views of them, so nothing is held twice."""
+        if self._fused is None:
+            layers, fused = zip(*(fuse_layer(layer) for layer in self.weights.layers))
+            self.weights = attrs.evolve(self.weights, layers=tuple(layers))
+            self._fused = tuple(fused)
+        return self._fused
+
+    @torch.no_grad()
+    def decode_step(
+        self,
+        runner: "DecodeGraphRunner",
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        page_tables: torch.Tensor,
+        kv: KVCache,
+        head: torch.Tensor,
+        *,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step of one token per row through the fused decode kernels, without a host sync.
+
+        ``token_ids [R]`` and ``positions [R]`` (int64: each row's token and its position; the row's MTP KV holds
+        the positions before it), ``hidden [R, H]`` and ``page_tables [R, P]`` live on the device; ``runner`` (the
+        trunk's decode runner, same config) supplies the feed-forward block (dense or MoE). Writes the step's KV into
+        ``kv`` and returns the greedy proposal ``argmax(out @ head^T) [R]`` and the post-norm hidden ``out [R, H]``,
+        both on the device.
+        """
+        from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv
+        from ninfer.kernels.triton.norms import add_rms_norm
+
+        model, config = self.model, self.model.config
+        fused = self.fused_projections()
+        index = step % len(fused)
+        layer, projections, weights = self.weights.layers[index], fused[index], self.weights
+        attention: FullAttentionWeights = layer.mixer  # type: ignore[assignment]
+        key_cache, value_cache = kv.key[index], kv.value[index]
+        eps, heads, dim = config.rms_norm_eps, config.num_attention_heads, config.head_dim
+        _, embedded = add_rms_norm(F.embedding(token_ids, model.embed_tokens), None, weights.pre_fc_norm_embedding, eps)
+        _, previous = add_rms_norm(hidden, None, weights.pre_fc_norm_hidden, eps)
+        x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
+        _, normed = add_rms_norm(x, None, layer.input_layernorm, eps)
+        projected = F.linear(normed, projections.mixer_in)
+        page_size = kv.page_size
+        pages = page_tables.gather(1, (positions // page_size)[:, None]).squeeze(1).long()
+        query = qk_norm_rope_write_kv(
+            projected, attention.q_norm, attention.k_norm, positions.expand(3, -1), model.inverse_frequencies,
+            model.axis_of_frequency, key_cache, value_cache, pages * page_size + positions % page_size, eps,
+            query_heads=heads,
+        )
+        gate = projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
+        attended = paged_attention_decode(
+            query, key_cache, value_cache, page_tables, positions + 1, scale=dim**-0.5, gate=gate
+        )
+        x, normed = add_rms_norm(F.linear(attended, attention.o_proj), x, layer.post_attention_layernorm, eps)
+        _, out = add_rms_norm(runner._feed_forward(layer, projections, normed), x, weights.norm, eps)
+        return F.linear(out, head).argmax(dim=-1), out

@@ -98,6 +98,9 @@ class MTPDrafter:
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
         states = [self._rows[id(seq)] for seq in rows]
         logits, hidden = self._write_tail(rows, states, keep_last=False)
+        decoder = self.runtime.decoder
+        if decoder is not None and len(set(counts)) == 1:
+            return self._draft_on_device(rows, counts[0], logits.argmax(dim=-1), hidden, decoder)
         tokens = [[int(token)] for token in logits.argmax(dim=-1).tolist()]
         for step in range(1, max(counts)):
             active = [index for index, count in enumerate(counts) if count > step]
@@ -117,6 +120,24 @@ class MTPDrafter:
             hidden = hidden.clone()
             hidden[active] = out
         return [Draft(tuple(row_tokens[:count])) for row_tokens, count in zip(tokens, counts)]
+
+    def _draft_on_device(
+        self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor, decoder: Any
+    ) -> list[Draft]:
+        """Steps 2..count for rows that all draft ``count`` tokens, chained on the device through the fused decode
+        kernels (``Qwen35MTP.decode_step``); one transfer brings every proposal back at the end."""
+        assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
+        device = hidden.device
+        proposals = [first]
+        if count > 1:
+            tables = _staged(page_table(rows), device)
+            fed = _staged(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
+            for step in range(1, count):  # step s feeds draft s at position fed + s - 1
+                token, hidden = self.mtp.decode_step(
+                    decoder, proposals[-1], hidden, fed + (step - 1), tables, self._kv, self._head, step=step
+                )
+                proposals.append(token)
+        return [Draft(tuple(row)) for row in torch.stack(proposals, dim=1).tolist()]
 
     # -- MTP forwards ----------------------------------------------------------------------------------
 
@@ -171,6 +192,13 @@ class MTPDrafter:
         last = torch.tensor(query_lens, device=out.device).cumsum(0) - 1
         selected = out[last]
         return F.linear(selected, self._head).float(), selected
+
+
+def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; to a CUDA device through pinned memory without a host sync."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def build_mtp_drafter(runtime: Any, artifact: Any, config: SpeculativeConfig) -> MTPDrafter:

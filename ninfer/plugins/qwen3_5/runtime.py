@@ -26,6 +26,7 @@ from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
 
 if TYPE_CHECKING:
     from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner
+    from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner
 
 
 def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.device) -> RuntimeSpec:
@@ -62,18 +63,36 @@ class Qwen35Runtime:
         self.config = model.config
         self.mtp = mtp
         self.decoder = decoder  # the fused CUDA decode path (Triton kernels, CUDA graphs); None on CPU
+        self.verifier: "VerifyGraphRunner | None" = None  # opt-in fused path for speculative verify batches
         self.spec = runtime_spec(model.config, model.dtype, model.device)
+
+    def enable_verify_runner(self) -> None:
+        """Send uniform speculative verify batches through the fused CUDA verify runner (``verify_graph``).
+
+        Opt-in, used by the speculative benchmark: its agreement with the generic path at full model size is not
+        yet confirmed on the H200 (docs/performance.md, round 4), so the engine verifies through the generic path.
+        """
+        if self.decoder is None:
+            raise ConfigError("the fused verify runner needs the CUDA decode path (CUDA with Triton)")
+        from ninfer.plugins.qwen3_5 import verify_graph  # imported here: CPU-only installs lack triton
+
+        decoder = self.decoder
+        self.verifier = verify_graph.VerifyGraphRunner(
+            decoder.model, decoder.fused, use_graphs=decoder.use_graphs, graph_segments=decoder.graph_segments
+        )
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
         """One traversal: each row continues its KV pages and state slot with ``query_lens[row]`` new tokens.
 
         ``logits``/``hidden`` are per row for "last" and per token for "all"; with "none" there are no logits and
         ``hidden`` (if asked for) is per token. ``states`` holds the recurrent state after every new token when
-        ``capture_states`` is set.
+        ``capture_states`` is set (from the CUDA verify runner: views of its buffers, valid until its next forward).
         """
         self._check(batch, kv, state)
         if self.decoder is not None and not batch.capture_layers and self.decoder.supports(batch):
             return self.decoder.forward(batch, kv, state)
+        if self.verifier is not None and self.verifier.supports(batch):
+            return self.verifier.forward(batch, kv, state)
         device = self.model.device
         token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)  # host batches move once
         layout = BatchLayout.build(

@@ -1,6 +1,7 @@
 """Random-weight Qwen3.5 models built directly in memory (on the GPU for benchmarks): weights never touch disk.
 
-``random_text_weights`` draws every text-model tensor of a config with the real initialisation style;
+``random_text_weights`` draws every text-model tensor of a config with the real initialisation style,
+``random_mtp_weights`` those of the multi-token-prediction module (``mtp.*``, for speculative benchmarks);
 ``InMemorySource`` serves such tensors (or tensors borrowed from a transformers model) to the ordinary loader, so a
 synthetic model goes through exactly the checks and code paths of a real artifact.
 """
@@ -14,12 +15,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ninfer.core.artifact import Identity, Manifest, ModelSource, TensorInfo
-from ninfer.core.errors import ArtifactError
+from ninfer.core.errors import ArtifactError, ConfigError
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig, resolve_architecture
 from ninfer.plugins.qwen3_5.layers import DecoderLayerWeights
 from ninfer.plugins.qwen3_5.model import Qwen35Model, WeightLoader
+from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime, accelerate
-from ninfer.plugins.qwen3_5.weights import expected_weights
+from ninfer.plugins.qwen3_5.weights import Shapes, expected_weights, mtp_weights
 
 INIT_STD = 0.02
 
@@ -74,18 +76,35 @@ def _init_(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         tensor.normal_(0.0, INIT_STD, generator=generator)
 
 
-def random_text_weights(
-    config: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Every text-model tensor of ``config`` (trunk + lm_head), drawn on ``device`` in ``dtype``."""
+def _draw(shapes: Shapes, device: torch.device | str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    for name, shape in expected_weights(config, text_only=True).items():
+    for name, shape in shapes.items():
         tensor = torch.empty(shape, dtype=dtype, device=device)
         _init_(name, tensor, generator)
         tensors[name] = tensor
     return tensors
+
+
+def random_text_weights(
+    config: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Every text-model tensor of ``config`` (trunk + lm_head), drawn on ``device`` in ``dtype``."""
+    return _draw(expected_weights(config, text_only=True), device, dtype, seed)
+
+
+def random_mtp_weights(
+    config: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors of ``config`` (``mtp_num_hidden_layers`` of them), drawn on ``device`` in ``dtype``.
+
+    A ``ConfigError`` when the config declares no MTP layer.
+    """
+    text = Qwen35TextConfig.from_hf(config)
+    if text.mtp_num_hidden_layers == 0:
+        raise ConfigError("the config declares no MTP layer (mtp_num_hidden_layers is 0)", param="spec")
+    return _draw(mtp_weights(text), device, dtype, seed + 1)
 
 
 def build_runtime(
@@ -96,13 +115,18 @@ def build_runtime(
     cuda_graphs: bool = True,
     on_layer: Callable[[int, DecoderLayerWeights], None] | None = None,
 ) -> Qwen35Runtime:
-    """A runtime (no MTP) over the source's tensors; tensors already in ``dtype`` on ``device`` are not copied.
+    """A runtime over the source's tensors; tensors already in ``dtype`` on ``device`` are not copied.
 
-    On CUDA the input projections are fused (``on_layer`` sees each fused layer); the source is emptied afterwards
-    so that it keeps no tensor alive.
+    The MTP module is loaded when the source carries ``mtp.*`` tensors (and the config declares it). On CUDA the
+    input projections are fused (``on_layer`` sees each fused layer); the source is emptied afterwards so that it
+    keeps no tensor alive.
     """
     config = Qwen35TextConfig.from_hf(source.manifest.config, source.manifest.architecture)
-    model = Qwen35Model.load(WeightLoader(source, dtype, torch.device(device)), config)
+    loader = WeightLoader(source, dtype, torch.device(device))
+    model = Qwen35Model.load(loader, config)
+    mtp = Qwen35MTP.load(loader, model)
     source.close()
     model, decoder = accelerate(model, cuda_graphs=cuda_graphs, on_layer=on_layer)
-    return Qwen35Runtime(model, None, decoder)
+    if mtp is not None:  # the MTP step shares the trunk's embedding and lm_head: point it at the accelerated model
+        mtp = Qwen35MTP(model, mtp.weights)
+    return Qwen35Runtime(model, mtp, decoder)
