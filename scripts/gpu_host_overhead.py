@@ -1,11 +1,9 @@
 """Where a batch-1 decode step's time goes beyond the bare graph replay, and the prefill TTFT (CUDA only).
 
 Usage (on a CUDA machine):
-``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] [--compare-moe] qwen3.6-27b [...]``
+``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] qwen3.6-27b [...]``
 
-For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value (with
-``--compare-moe`` also 4 segments with the MoE block as the two-launch fused kernel instead of the default separate
-routing / GEMV / combine launches) it measures, per decode step at 256 tokens of context:
+For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value it measures, per decode step at 256 tokens of context:
 
 * ``bench``: the benchmark's step (``ninfer.bench_synthetic``: host-built ForwardBatch, ``runtime.forward``, greedy
   argmax on the GPU, token to the host);
@@ -16,9 +14,8 @@ routing / GEMV / combine launches) it measures, per decode step at 256 tokens of
 * ``launch``: host time of the replay call alone; ``prep``: host time of ``runtime.forward`` (checks, staging,
   launch, logits clone) after a sync.
 
-Then c=8 aggregate throughput (both MoE forms with ``--compare-moe``) and (unless ``--decode-only``) the TTFT of one 8192-token prompt with the prefill's
-top kernels. ``--compare-moe`` also times one MoE block alone (35B-A3B shapes, 40 different inputs replayed in a
-CUDA graph) in both forms.
+Then c=8 aggregate throughput and (unless ``--decode-only``) the TTFT of one 8192-token prompt with the prefill's
+top kernels.
 """
 
 from __future__ import annotations
@@ -103,52 +100,8 @@ def host_breakdown(runtime, prompt: torch.Tensor, device: torch.device) -> dict[
     return result
 
 
-def moe_block_timing(device: torch.device, clock: Clock, calls: int = 40) -> dict[str, float]:
-    """Microseconds per batch-1 MoE block (35B-A3B shapes), fused two-launch kernel vs the separate launches."""
-    from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
-    from ninfer.kernels.triton.moe_fused import fused_moe_decode
-    from ninfer.kernels.triton.norms import silu_mul
-
-    hidden, inner, experts, top_k = 2048, 512, 256, 8
-    gate_up = torch.randn(experts, 2 * inner, hidden, device=device, dtype=torch.bfloat16) * 0.05
-    down = torch.randn(experts, hidden, inner, device=device, dtype=torch.bfloat16) * 0.05
-    shared_down = torch.randn(hidden, inner, device=device, dtype=torch.bfloat16) * 0.05
-    xs = torch.randn(calls, 1, hidden, device=device, dtype=torch.bfloat16)
-    entries = torch.randn(calls, 1, experts + 2 * inner + 1, device=device, dtype=torch.bfloat16)
-
-    def fused(i: int) -> torch.Tensor:
-        e = entries[i]
-        return fused_moe_decode(xs[i], e[:, :experts], gate_up, down, top_k, shared_gate_up=e[:, experts:-1],
-                                shared_down=shared_down, shared_gate_logit=e[:, -1:])
-
-    def separate(i: int) -> torch.Tensor:
-        e = entries[i]
-        weights, chosen = route_top_k(e[:, :experts], top_k)
-        shared = torch.nn.functional.linear(silu_mul(e[:, experts:-1]), shared_down)
-        act = silu_mul(expert_gemv(xs[i], gate_up, chosen, pairs_per_x=top_k))
-        return combine_experts(expert_gemv(act, down, chosen, pairs_per_x=1), weights, shared, e[:, -1:])
-
-    result = {}
-    moved = (top_k * 3 + 1) * inner * hidden * 2  # weight bytes one call reads: 8 experts, the shared down
-    for label, block in (("fused", fused), ("separate", separate)):
-        for i in range(calls):
-            block(i)  # compile and warm up
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                block(i)
-        graph.replay()
-        microseconds = statistics.median(clock.measure(graph.replay) for _ in range(5)) * 1e3 / calls
-        result[f"{label}_us"] = microseconds
-        result[f"{label}_gb_s"] = moved / (microseconds * 1e-6) / 1e9
-    print("MoE block alone, batch 1:", json.dumps({k: round(v, 2) for k, v in result.items()}), flush=True)
-    return result
-
-
 def run_preset(
-    name: str, segments_options: list[int], out: Path, *, decode: bool = True, prefill: bool = True,
-    compare_moe: bool = False,
+    name: str, segments_options: list[int], out: Path, *, decode: bool = True, prefill: bool = True
 ) -> dict:
     device = torch.device("cuda")
     config_dict = preset_config(name)
@@ -166,9 +119,8 @@ def run_preset(
     result: dict = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_tok_s_1": roofline_1,
                     "roofline_tok_s_8": roofline_8, "decode_1": {}}
     decoder = runtime.decoder
-    variants = [(segments, False) for segments in segments_options] + ([(4, True)] if compare_moe else [])
-    for segments, fused_moe in variants if decode else []:
-        decoder.graph_segments, decoder.fused_moe = segments, fused_moe
+    for segments in segments_options if decode else []:
+        decoder.graph_segments = segments
         decoder._graphs.clear()  # recapture with the new segmentation, in a fresh memory pool
         decoder._pool = None
         try:
@@ -181,19 +133,17 @@ def run_preset(
         entry["bench_of_roofline"] = 1e3 / entry["bench_step_ms"] / roofline_1
         entry["engine_of_roofline"] = 1e3 / entry["engine_step_ms"] / roofline_1
         entry["replay_of_roofline"] = 1e3 / replay_ms / roofline_1
-        label = f"{segments}-fused-moe" if fused_moe else f"{segments}"
+        label = f"{segments}"
         result["decode_1"][label] = entry
         print(name, "segments", label, json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
-    for fused_moe in ((False, True) if compare_moe else (False,)) if decode else ():
-        decoder.graph_segments, decoder.fused_moe = 4, fused_moe
+    if decode:
+        decoder.graph_segments = 4
         decoder._graphs.clear()
         decoder._pool = None
         elapsed, _, replay_8 = bench_ninfer_decode(runtime, prompts, STEPS, clock)
-        label = "decode_8_fused_moe" if fused_moe else "decode_8"
-        result[label] = {"tok_s": 8 * STEPS / (elapsed / 1e3), "replay_ms": replay_8}
-        result[label]["of_roofline"] = result[label]["tok_s"] / roofline_8
-        print(name, label, json.dumps(result[label]), flush=True)
-    decoder.fused_moe = False
+        result["decode_8"] = {"tok_s": 8 * STEPS / (elapsed / 1e3), "replay_ms": replay_8}
+        result["decode_8"]["of_roofline"] = result["decode_8"]["tok_s"] / roofline_8
+        print(name, "decode_8", json.dumps(result["decode_8"]), flush=True)
     (out / f"host_{name}.json").write_text(json.dumps(result, indent=2))
     if prefill:
         long_prompt = torch.randint(0, config.vocab_size, (8192,), generator=generator)
@@ -219,7 +169,7 @@ def print_table(result: dict) -> None:
         print(f"| {label} | {entry['bench_step_ms']:.3f} | {1e3 / entry['bench_step_ms']:.1f} | "
               f"{entry['bench_of_roofline']:.1%} | {entry['engine_step_ms']:.3f} | {entry['replay_ms']:.3f} | "
               f"{entry['replay_of_roofline']:.1%} |")
-    for label in ("decode_8", "decode_8_fused_moe"):
+    for label in ("decode_8",):
         if label in result:
             entry = result[label]
             print(f"{label}: {entry['tok_s']:.1f} tok/s ({entry['of_roofline']:.1%} of roofline), "
@@ -227,22 +177,12 @@ def print_table(result: dict) -> None:
 
 
 def main(out_dir: str, *names: str) -> int:
-    """``names`` are presets and flags: ``--ttft-only``, ``--decode-only``, ``--compare-moe``."""
+    """``names`` are presets and flags: ``--ttft-only``, ``--decode-only``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flags = {n for n in names if n.startswith("--")}
-    compare_moe = "--compare-moe" in flags
-    if compare_moe:
-        device = torch.device("cuda")
-        try:
-            timing = moe_block_timing(device, Clock(device))
-            (out / "moe_block.json").write_text(json.dumps(timing, indent=2))
-        except Exception:
-            traceback.print_exc()
-        torch.cuda.empty_cache()
     for name in (n for n in names if not n.startswith("--")):
-        run_preset(name, [1, 4], out, decode="--ttft-only" not in flags, prefill="--decode-only" not in flags,
-                   compare_moe=compare_moe)
+        run_preset(name, [1, 4], out, decode="--ttft-only" not in flags, prefill="--decode-only" not in flags)
     return 0
 
 

@@ -36,7 +36,6 @@ from ninfer.kernels.moe import route_tokens
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton import moe_grouped
-from ninfer.kernels.triton.moe_fused import fused_moe_decode
 from ninfer.kernels.triton.moe_grouped import (
     MoETiles,
     default_tiles,
@@ -138,14 +137,6 @@ def moe_micro(device: torch.device, clock: Clock) -> dict:
             out = expert_gemv(act, layer.down, chosen, pairs_per_x=1)
             return combine_experts(out, weights, shared, entry[:, EXPERTS + 2 * SHARED :])
 
-        def round3(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-            entry = F.linear(x, layer.fused)
-            return fused_moe_decode(
-                x, entry[:, :EXPERTS], layer.gate_up, layer.down, TOP_K,
-                shared_gate_up=entry[:, EXPERTS : EXPERTS + 2 * SHARED], shared_down=layer.shared_down,
-                shared_gate_logit=entry[:, EXPERTS + 2 * SHARED :],
-            )
-
         def grouped(tiles: MoETiles) -> Callable[[MoELayer, torch.Tensor], torch.Tensor]:
             def block(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
                 return grouped_moe_decode(x, gate_up=layer.gate_up, down=layer.down, top_k=TOP_K,
@@ -154,7 +145,7 @@ def moe_micro(device: torch.device, clock: Clock) -> dict:
             return block
 
         variants: dict[str, Callable] = {
-            "today (separate launches)": today, "round 3 (two launches)": round3,
+            "today (separate launches)": today,
             "grouped default tiles": grouped(default_tiles(rows, device)), "grouped tuned": grouped(tuned),
             "grouped tuned + PDL": grouped(attrs.evolve(tuned, pdl=True)),
         }

@@ -88,8 +88,8 @@ def _runtimes(preset: str):
     return reference, model, fused
 
 
-@pytest.mark.parametrize(("preset", "fused_moe"), [("tiny", False), ("tiny-moe", False), ("tiny-moe", True)])
-def test_fused_decode_matches_reference(preset, fused_moe):
+@pytest.mark.parametrize(("preset", "grouped_moe_rows"), [("tiny", 1), ("tiny-moe", 0), ("tiny-moe", 1), ("tiny-moe", 3)])
+def test_fused_decode_matches_reference(preset, grouped_moe_rows):
     torch.manual_seed(0)
     reference, model, fused = _runtimes(preset)
     vocab = model.config.vocab_size
@@ -99,8 +99,8 @@ def test_fused_decode_matches_reference(preset, fused_moe):
     with torch.no_grad():
         reference.forward(caches.batch(rows, prompts), caches.kv, caches.state)
     ours = caches.clone()
-    eager = DecodeGraphRunner(model, fused, use_graphs=False, fused_moe=fused_moe)
-    graphs = DecodeGraphRunner(model, fused, use_graphs=True, fused_moe=fused_moe) if CUDA else None
+    eager = DecodeGraphRunner(model, fused, use_graphs=False, grouped_moe_rows=grouped_moe_rows)
+    graphs = DecodeGraphRunner(model, fused, use_graphs=True, grouped_moe_rows=grouped_moe_rows) if CUDA else None
     graph_caches = caches.clone() if CUDA else None
     for step in range(5):
         active = rows if step < 3 else rows[:2]  # the batch shrinks: a second batch size

@@ -24,7 +24,6 @@ from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope
 from ninfer.kernels.triton.conv import causal_conv1d_update
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
-from ninfer.kernels.triton.moe_fused import fused_moe_decode
 from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, moe_workspace
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
@@ -137,7 +136,6 @@ class DecodeGraphRunner:
         use_graphs: bool = True,
         max_batch: int = 64,
         graph_segments: int = 4,
-        fused_moe: bool = False,
         grouped_moe_rows: int = 1,
         gdn_value_split: int = 4,
     ) -> None:
@@ -153,9 +151,6 @@ class DecodeGraphRunner:
         if graph_segments < 1:
             raise ValueError(f"graph_segments must be >= 1, got {graph_segments}")
         self.graph_segments = min(graph_segments, len(model.layers))
-        # MoE block as two Triton launches (``fused_moe_decode``) instead of routing, expert GEMVs, SiLU·mul and
-        # combine apart; off by default: on the H200 it was not faster at batch 1 (docs/performance.md, round 3)
-        self.fused_moe = fused_moe
         # MoE block as three launches with each selected expert read once per batch (``grouped_moe_decode``:
         # router GEMV + routing, grouped gate/up + SiLU·mul, grouped down + combine + shared expert) for batches
         # of at most this many rows (0: never; capped at GROUPED_MOE_MAX_ROWS); its counters live in one
@@ -353,12 +348,6 @@ class DecodeGraphRunner:
             )
         entry = F.linear(normed, fused.ffn_in)
         shared_gate_up = entry[:, num_experts : num_experts + 2 * shared_inner]
-        if self.fused_moe:
-            return fused_moe_decode(
-                normed, entry[:, :num_experts], mlp.gate_up, mlp.down, top_k,  # type: ignore[arg-type]
-                shared_gate_up=shared_gate_up, shared_down=mlp.shared_down,
-                shared_gate_logit=entry[:, num_experts + 2 * shared_inner :],
-            )
         weights, experts = route_top_k(entry[:, :num_experts], top_k)  # type: ignore[arg-type]
         shared = F.linear(silu_mul(shared_gate_up), mlp.shared_down)
         activated = silu_mul(expert_gemv(normed, mlp.gate_up, experts, pairs_per_x=top_k))  # type: ignore[arg-type]

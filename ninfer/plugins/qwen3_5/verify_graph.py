@@ -142,11 +142,8 @@ class VerifyGraphRunner(DecodeGraphRunner):
         max_batch: int = 64,
         max_tokens_per_row: int = MAX_TOKENS_PER_ROW,
         graph_segments: int = 4,
-        fused_moe: bool = False,
     ) -> None:
-        super().__init__(
-            model, fused, use_graphs=use_graphs, max_batch=max_batch, graph_segments=graph_segments, fused_moe=fused_moe
-        )
+        super().__init__(model, fused, use_graphs=use_graphs, max_batch=max_batch, graph_segments=graph_segments)
         self.max_tokens_per_row = max_tokens_per_row
         self._verify_graphs: dict[tuple, CapturedVerify] = {}
         self._verify_inputs: dict[tuple[int, int, int], VerifyInputs] = {}
