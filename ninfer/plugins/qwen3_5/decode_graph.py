@@ -269,7 +269,7 @@ class DecodeGraphRunner:
                 )
                 recurrent_index += 1
             hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
-            pending = self._feed_forward(layer, fused, normed)
+            pending = self.feed_forward(layer, fused, normed)
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
 
     def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +330,8 @@ class DecodeGraphRunner:
         )
         return F.linear(attended, weights.o_proj)
 
-    def _feed_forward(self, layer: DecoderLayerWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, layer: DecoderLayerWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
+        """The layer's dense or MoE block on the decode kernels (also the MTP layer's, see ``Qwen35MTP``)."""
         mlp = layer.mlp
         if isinstance(mlp, DenseMLPWeights):
             return F.linear(silu_mul(F.linear(normed, fused.ffn_in)), mlp.down_proj)

@@ -207,5 +207,5 @@ class Qwen35MTP:
             query, key_cache, value_cache, page_tables, positions + 1, scale=dim**-0.5, gate=gate
         )
         x, normed = add_rms_norm(F.linear(attended, attention.o_proj), x, layer.post_attention_layernorm, eps)
-        _, out = add_rms_norm(runner._feed_forward(layer, projections, normed), x, weights.norm, eps)
+        _, out = add_rms_norm(runner.feed_forward(layer, projections, normed), x, weights.norm, eps)
         return F.linear(out, head).argmax(dim=-1), out

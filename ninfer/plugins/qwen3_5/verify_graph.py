@@ -273,7 +273,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
                 )
                 recurrent_index += 1
             hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
-            pending = self._feed_forward(layer, fused, normed)
+            pending = self.feed_forward(layer, fused, normed)
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
 
     def _verify_gated_deltanet(
