@@ -1,7 +1,8 @@
-"""Fused row kernels: residual add + RMSNorm, gated RMSNorm * silu(z), and SiLU(gate) * up.
+"""Fused row kernels: residual add + RMSNorm, gated RMSNorm * silu(z), SiLU(gate) * up and x * sigmoid(gate).
 
-Twins: ``ninfer.kernels.norms.rms_norm`` / ``gated_rms_norm`` and the activation inside ``ninfer.kernels.moe.swiglu``.
-All math is fp32; outputs take the input dtype.
+Twins: ``ninfer.kernels.norms.rms_norm`` / ``gated_rms_norm``, the activation inside ``ninfer.kernels.moe.swiglu``
+and the output gate of ``ninfer.plugins.qwen3_5.layers.full_attention``. All math is fp32; outputs take the input
+dtype. Every grid puts the rows on its first axis, so any number of tokens (a whole prefill) fits one launch.
 """
 
 from __future__ import annotations
@@ -137,6 +138,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_power_of_2(inner))
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](gate_up, out, inner, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr, gate_ptr, out_ptr, width, x_stride, x_head_stride, gate_stride, gate_head_stride,
+    D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    head = cols // D
+    d = cols % D
+    x = tl.load(x_ptr + row * x_stride + head * x_head_stride + d, mask=mask, other=0.0)
+    gate = tl.load(gate_ptr + row * gate_stride + head * gate_head_stride + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (x.to(tl.float32) * tl.sigmoid(gate)).to(x.dtype), mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` for ``x, gate [N, heads, D]``; returns a contiguous ``[N, heads, D]`` in x.dtype.
+
+    Only the last dim must be contiguous: ``gate`` may be the per-head gate half of an interleaved projection.
+    """
+    if x.dim() != 3 or x.shape != gate.shape:
+        raise ValueError(f"x {tuple(x.shape)} and gate {tuple(gate.shape)} must be the same [N, heads, D]")
+    if x.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError("x and gate must have a contiguous last dim")
+    rows, heads, dim = x.shape
+    width = heads * dim
+    out = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
+    if rows and width:
+        block = min(1024, next_power_of_2(width))
+        _sigmoid_gate_kernel[(rows, triton.cdiv(width, block))](
+            x, gate, out, width, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), D=dim, BLOCK=block
+        )
     return out
 
 

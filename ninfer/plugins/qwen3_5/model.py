@@ -26,8 +26,10 @@ from ninfer.plugins.qwen3_5.layers import (
     GatedDeltaNetWeights,
     MoEWeights,
     RecurrentCapture,
+    feed_forward,
     finish_layer,
     full_attention,
+    full_attention_fused,
     gated_deltanet,
 )
 from ninfer.plugins.qwen3_5.weights import MTP_PREFIX, VISUAL_PREFIX, Shapes, text_model_weights
@@ -227,14 +229,18 @@ class Qwen35Model:
         state: StateCache,
         capture_states: bool,
         layer_outputs: dict[int, torch.Tensor] | None = None,
+        *,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, CapturedStates | None]:
         """All decoder layers over the flat batch; returns final-normed hidden ``[T, H]`` and captured states.
 
         ``layer_outputs``: for each layer index already a key, the layer's output ``[T, H]`` is stored under it.
+        ``fused`` selects the Triton traversal (``run_fused``; CUDA with Triton only).
         """
+        if fused:
+            return self.run_fused(token_ids, positions, layout, kv, state, capture_states, layer_outputs)
         config = self.config
         hidden = self.embed(token_ids)
-        tokens = hidden.shape[0]
         rotary = self.rotary(positions)
         captured = CapturedStates(conv=[], ssm=[]) if capture_states else None
         attention_index = recurrent_index = 0
@@ -253,14 +259,7 @@ class Qwen35Model:
                 attention_index += 1
             else:
                 conv_cache, ssm_cache = state.conv[recurrent_index], state.ssm[recurrent_index]
-                capture = None
-                if captured is not None:
-                    capture = RecurrentCapture(
-                        conv=conv_cache.new_empty((tokens, *conv_cache.shape[1:])),
-                        ssm=ssm_cache.new_empty((tokens, *ssm_cache.shape[1:])),
-                    )
-                    captured.conv.append(capture.conv)
-                    captured.ssm.append(capture.ssm)
+                capture = _recurrent_capture(captured, conv_cache, ssm_cache, hidden.shape[0])
                 mixed = gated_deltanet(
                     weights.mixer, config, normed, layout, conv_cache, ssm_cache, capture  # type: ignore[arg-type]
                 )
@@ -269,3 +268,80 @@ class Qwen35Model:
             if layer_outputs is not None and layer_index in layer_outputs:
                 layer_outputs[layer_index] = hidden
         return self.final_norm(hidden), captured
+
+    def run_fused(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: BatchLayout,
+        kv: KVCache,
+        state: StateCache,
+        capture_states: bool,
+        layer_outputs: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, CapturedStates | None]:
+        """``run`` through the Triton row kernels (the CUDA prefill path; needs Triton on the model's device).
+
+        Each block's output stays pending and is added to the residual stream by the next norm's kernel (residual
+        add + (1+w) RMSNorm in one pass); projections reading one input are one GEMM where the weights are fused.
+        """
+        from ninfer.kernels.triton.norms import add_rms_norm
+
+        config = self.config
+
+        def add_norm(
+            pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """``(hidden + pending, rms_norm of it)``; just the norm while nothing is pending."""
+            if pending is None:
+                return add_rms_norm(hidden, None, weight, config.rms_norm_eps)
+            return add_rms_norm(pending, hidden, weight, config.rms_norm_eps)
+
+        hidden = self.embed(token_ids)
+        positions = positions.to(self.device).contiguous()
+        rope = (self.inverse_frequencies, self.axis_of_frequency)
+        captured = CapturedStates(conv=[], ssm=[]) if capture_states else None
+        pending: torch.Tensor | None = None  # the last block's output, not yet added to ``hidden``
+        attention_index = recurrent_index = 0
+        for layer_index, (weights, kind) in enumerate(zip(self.layers, config.layer_types)):
+            hidden, normed = add_norm(pending, hidden, weights.input_layernorm)
+            if kind == FULL_ATTENTION:
+                pending = full_attention_fused(
+                    weights.mixer,  # type: ignore[arg-type]
+                    config,
+                    normed,
+                    positions,
+                    rope,
+                    layout,
+                    kv.key[attention_index],
+                    kv.value[attention_index],
+                )
+                attention_index += 1
+            else:
+                conv_cache, ssm_cache = state.conv[recurrent_index], state.ssm[recurrent_index]
+                capture = _recurrent_capture(captured, conv_cache, ssm_cache, hidden.shape[0])
+                pending = gated_deltanet(
+                    weights.mixer, config, normed, layout, conv_cache, ssm_cache, capture,  # type: ignore[arg-type]
+                    fused=True,
+                )
+                recurrent_index += 1
+            hidden, normed = add_norm(pending, hidden, weights.post_attention_layernorm)
+            pending = feed_forward(weights.mlp, config, normed, fused=True)
+            if layer_outputs is not None and layer_index in layer_outputs:
+                layer_outputs[layer_index] = hidden + pending
+        _, final = add_norm(pending, hidden, self.norm)
+        return final, captured
+
+
+def _recurrent_capture(
+    captured: CapturedStates | None, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, tokens: int
+) -> RecurrentCapture | None:
+    """Fresh per-token state buffers of one recurrent layer, appended to ``captured`` (None when not capturing)."""
+    if captured is None:
+        return None
+    capture = RecurrentCapture(
+        conv=conv_cache.new_empty((tokens, *conv_cache.shape[1:])),
+        ssm=ssm_cache.new_empty((tokens, *ssm_cache.shape[1:])),
+    )
+    captured.conv.append(capture.conv)
+    captured.ssm.append(capture.ssm)
+    return capture

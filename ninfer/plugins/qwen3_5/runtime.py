@@ -64,7 +64,17 @@ class Qwen35Runtime:
         self.mtp = mtp
         self.decoder = decoder  # the fused CUDA decode path (Triton kernels, CUDA graphs); None on CPU
         self.verifier: "VerifyGraphRunner | None" = None  # opt-in fused path for speculative verify batches
+        self.fused_prefill = False  # opt-in Triton traversal for prefill and other multi-token batches
         self.spec = runtime_spec(model.config, model.dtype, model.device)
+
+    def enable_fused_prefill(self) -> None:
+        """Run prefill (every batch the decode and verify runners do not take) through ``Qwen35Model.run_fused``.
+
+        Opt-in until measured on the H200 (docs/performance.md, round 4): it has only run under Triton's interpreter.
+        """
+        if self.decoder is None:
+            raise ConfigError("the fused prefill traversal needs the CUDA decode path (CUDA with Triton)")
+        self.fused_prefill = True
 
     def enable_verify_runner(self) -> None:
         """Send uniform speculative verify batches through the fused CUDA verify runner (``verify_graph``).
@@ -101,7 +111,7 @@ class Qwen35Runtime:
         layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
             hidden, captured = self.model.run(
-                token_ids, positions, layout, kv, state, batch.capture_states, layer_outputs
+                token_ids, positions, layout, kv, state, batch.capture_states, layer_outputs, fused=self.fused_prefill
             )
             selected = hidden[layout.last_token_index] if batch.logits == "last" else hidden
             logits = None if batch.logits == "none" else self.model.logits(selected)
