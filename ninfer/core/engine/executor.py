@@ -378,10 +378,10 @@ class Executor:
         clock = self.clock
         clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
         self.scheduler.remove(seq)
+        with clock.detail(Detail.CONTEXT_TRANSACTION, enabled=self.config.prefix_reuse and seq.slot is not None):
+            self.memory.release(seq, checkpoint=self.config.prefix_reuse)  # may keep the drafter's snapshot
         if self.drafter is not None:
             self.drafter.forget(seq)
-        with clock.detail(Detail.CONTEXT_TRANSACTION, enabled=self.config.prefix_reuse and seq.slot is not None):
-            self.memory.release(seq, checkpoint=self.config.prefix_reuse)
         clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
         clock.settle()
         seq.handle.finish(seq.outcome(finish.reason, finish.stop, time.monotonic()))

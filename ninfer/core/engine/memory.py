@@ -4,11 +4,16 @@ Admission reserves a request's full prompt + effective-output page entitlement u
 will allocate are *promised*, and a new request is admitted only when ``free - promised`` covers its own
 fresh pages (after evicting prefix checkpoints: anonymous ones least recently used first, then session
 endpoints). An admitted request therefore never waits for memory.
+
+A speculative drafter that can resume (:class:`DrafterResume`) has its snapshot kept with every checkpoint and
+restored with it, so a request whose prompt ends exactly at a checkpoint drafts from its first decode round. The
+pages holding the checkpoint's last ``rewritten_positions`` positions are copied, not shared, for such a request:
+the drafter rewrites its own paged state there (MTP's entry for the last position depends on the next token).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -48,11 +53,24 @@ def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: Drafte
 
 
 @attrs.frozen
+class DrafterResume:
+    """How a drafter's state travels with prefix checkpoints: ``snapshot(seq)`` (None: not resumable now) at
+    capture, ``restore(seq, snapshot)`` at a hit; a resumer rewrites the drafter's paged state of the
+    checkpoint's last ``rewritten_positions`` positions."""
+
+    snapshot: Callable[[Sequence], Any]
+    restore: Callable[[Sequence, Any], None]
+    rewritten_positions: int = 0
+
+
+@attrs.frozen
 class DrafterMemory:
-    """What a speculative drafter adds: KV bytes per pool token and transient bytes of one verify round."""
+    """What a speculative drafter adds: KV bytes per pool token, transient bytes of one verify round, and its
+    checkpoint hooks (None: the drafter restarts cold after every checkpoint hit)."""
 
     kv_bytes_per_token: float
     transient_bytes: int
+    resume: DrafterResume | None = None
 
 
 @attrs.frozen
@@ -85,6 +103,7 @@ class EngineMemory:
         self.cache = PrefixCache(config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state)
         self.promised = 0
         self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
+        self._resume = None if drafter is None else drafter.resume
 
     @property
     def num_pages(self) -> int:
@@ -140,26 +159,30 @@ class EngineMemory:
             for page in hit.pages[:reused]:
                 self.pages.ref(page)
                 seq.pages.append(page)
-            partial = size % self.page_size
-            if partial:
-                source, target = hit.pages[reused], self._allocate(seq)
+            for index in range(reused, len(hit.pages)):  # the partial last page, or any page the drafter rewrites
+                source, target = hit.pages[index], self._allocate(seq)
                 for kv in (self.kv, *self.companions):
-                    copy_kv_page(kv, source, target, partial)
+                    copy_kv_page(kv, source, target, min(self.page_size, size - index * self.page_size))
         self.state.copy(hit.slot, seq.slot)
         if consume:
             self.slots.release(hit.slot)
         seq.fed = seq.cache_n = size
         seq.last_logits, seq.last_logits_at = hit.logits, size
+        if hit.drafter is not None and self._resume is not None:
+            self._resume.restore(seq, hit.drafter)
         return True
 
     def _shareable_pages(self, hit: Any) -> int:
-        return len(hit.tokens) // self.page_size
+        """The checkpoint's pages a request may reference: its full pages, less those holding positions the
+        drafter rewrites when it resumes from the checkpoint's snapshot."""
+        kept = len(hit.tokens)
+        if hit.drafter is not None and self._resume is not None:
+            kept -= self._resume.rewritten_positions
+        return max(kept, 0) // self.page_size
 
     def _consumable(self, hit: Any) -> bool:
-        """A checkpoint can be taken over when its partial last page (if any) is referenced by it alone."""
-        if len(hit.tokens) % self.page_size == 0:
-            return True
-        return self.pages.ref_count(hit.pages[-1]) == 1
+        """A checkpoint can be taken over when the pages a request could not share are referenced by it alone."""
+        return all(self.pages.ref_count(page) == 1 for page in hit.pages[self._shareable_pages(hit) :])
 
     def _fits(self, seq: Sequence, hit: Any, reused_pages: int) -> bool:
         """Whether ``seq``'s reservation, less ``reused_pages``, fits free pages plus checkpoints other than ``hit``."""
@@ -191,12 +214,23 @@ class EngineMemory:
     def capture_prefix(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Checkpoint ``seq``'s fed tokens; ``logits`` are the next-token logits after the last of them."""
         assert seq.slot is not None
-        self.cache.capture(seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False)
+        self.cache.capture(
+            seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
+            drafter_snapshot=self._drafter_snapshot(seq),
+        )
+
+    def _drafter_snapshot(self, seq: Sequence) -> Callable[[], Any] | None:
+        """Takes the drafter's snapshot of ``seq`` at ``seq.fed`` when called (None without a resumable drafter)."""
+        resume = self._resume
+        if resume is None:
+            return None
+        return lambda: resume.snapshot(seq)
 
     def release(self, seq: Sequence, *, checkpoint: bool) -> None:
         """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint.
 
-        The checkpoint becomes the endpoint of the request's session when that session may replace it.
+        The checkpoint becomes the endpoint of the request's session when that session may replace it. A drafter
+        must still hold ``seq``'s state here (it forgets ``seq`` afterwards) for the checkpoint to keep a snapshot.
         """
         if seq.slot is None:
             return
@@ -205,7 +239,8 @@ class EngineMemory:
             session = seq.request.session
             endpoint_of = session.key if session is not None and session.may_replace_endpoint else None
             kept = self.cache.capture(
-                seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of
+                seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
+                drafter_snapshot=self._drafter_snapshot(seq),
             )
         for page in seq.pages:
             self.pages.release(page)

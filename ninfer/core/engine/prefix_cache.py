@@ -10,12 +10,15 @@ stored Responses chain). Each session has at most one endpoint; a new one demote
 an ordinary anonymous checkpoint. Eviction takes the least recently used anonymous checkpoint first and a
 session endpoint (least recently used) only when no anonymous one is left, so the number of sessions kept
 is bounded by the capacity itself. Sessions never change lookup: it is by exact token prefix only.
+
+With speculative decoding a checkpoint may also keep the drafter's *snapshot*: what the drafter needs (beyond the
+pages, which carry its paged state) to draft right after the checkpoint's last token. The engine treats it as opaque.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -34,6 +37,7 @@ class Checkpoint:
     logits: torch.Tensor  # [V] fp32: the next-token logits after tokens[-1]
     last_used: int
     session: str | None = None  # the session whose endpoint this is; None: anonymous
+    drafter: Any = None  # the speculative drafter's snapshot at the checkpoint's end; None: it restarts cold
 
 
 class PrefixCache:
@@ -92,12 +96,14 @@ class PrefixCache:
         *,
         take_slot: bool,
         session: str | None = None,
+        drafter_snapshot: Callable[[], Any] | None = None,
     ) -> bool:
         """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
 
         ``take_slot`` hands the slot itself to the cache (a finished request); otherwise the state is
         copied into a spare slot. With ``session`` the checkpoint becomes that session's endpoint (an
         identical existing checkpoint is promoted instead) and the previous endpoint turns anonymous.
+        ``drafter_snapshot`` is called only when a new checkpoint is kept; its result is kept with it.
         Returns False (and takes nothing) when there is no room or an identical checkpoint exists.
         """
         if self.capacity == 0 or not tokens:
@@ -109,6 +115,7 @@ class PrefixCache:
                 if session is not None:
                     self._make_endpoint(entry, session)
                 return False
+        drafter = None if drafter_snapshot is None else drafter_snapshot()
         if session is not None:
             self._demote(session)
         while len(self._entries) >= self.capacity:
@@ -121,7 +128,7 @@ class PrefixCache:
         kept_pages = list(pages[: pages_for(len(key), self.page_size)])
         for page in kept_pages:
             self._pages.ref(page)
-        entry = Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session)
+        entry = Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter)
         self._entries.append(entry)
         return True
 

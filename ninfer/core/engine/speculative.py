@@ -4,7 +4,9 @@ One round over the decode batch:
 
 1. Each row that can speculate (its drafter state is ready, exactly one committed token is pending, and at least
    two more output tokens are allowed) gets ``k_row = min(k, allowance - 1)`` draft tokens from the drafter; the
-   other rows take a plain decode step in the same traversal (a *fallback step*).
+   other rows take a plain decode step in the same traversal (a *fallback step*). A drafter that can resume
+   (:class:`ResumableDrafter`) is ready right after a prefix-checkpoint hit too: its snapshot travels with the
+   checkpoint.
 2. ONE target forward verifies every row: the pending token plus its drafts, ``logits="all"``, with the
    recurrent state captured after every new token and the final hidden states returned for the drafter.
 3. Per row, position by position, the target distribution the plain sampler would draw from (penalties with the
@@ -37,7 +39,7 @@ from ninfer.core.engine.batching import build_batch
 from ninfer.core.engine.commit import Finish, commit_sampled
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import HostWorkClock, Phase, WorkClass
-from ninfer.core.engine.memory import DrafterMemory
+from ninfer.core.engine.memory import DrafterMemory, DrafterResume
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.runtime import CapturedStates, ForwardOutput, KVCache, ModelRuntime, RuntimeSpec, StateCache
@@ -101,6 +103,34 @@ class Drafter(Protocol):
         ...
 
 
+class ResumableDrafter(Drafter, Protocol):
+    """A drafter whose state travels with prefix checkpoints, so it is :meth:`ready` right after a hit.
+
+    Its paged state for a checkpoint's tokens lives in the checkpoint's pages (they share the engine's page
+    ids); the snapshot holds the rest. ``resume_rewrites``: how many of a checkpoint's last positions a
+    resumed sequence rewrites in that paged state (their pages are copied for it rather than shared).
+    """
+
+    resume_rewrites: int
+
+    def snapshot(self, seq: Sequence) -> object | None:
+        """What resuming at ``seq.fed`` needs (taken when a checkpoint of ``seq``'s fed tokens is kept), or None
+        when ``seq``'s state cannot vouch for its paged state up to there."""
+        ...
+
+    def restore(self, seq: Sequence, snapshot: object) -> None:
+        """``seq`` restored a checkpoint with ``snapshot`` (``seq.fed`` is the checkpoint's end): be ready there."""
+        ...
+
+
+def drafter_resume(drafter: Drafter) -> DrafterResume | None:
+    """``drafter``'s checkpoint hooks, or None when it cannot resume (it then restarts cold after a hit)."""
+    snapshot, restore = getattr(drafter, "snapshot", None), getattr(drafter, "restore", None)
+    if snapshot is None or restore is None:
+        return None
+    return DrafterResume(snapshot, restore, int(getattr(drafter, "resume_rewrites", 0)))
+
+
 def capture_layers(drafter: Drafter) -> tuple[int, ...]:
     """The target layers ``drafter`` conditions on (none: it observes final-normed hidden states)."""
     return tuple(getattr(drafter, "capture_layers", ()))
@@ -112,11 +142,12 @@ def observed_features(drafter: Drafter, output: ForwardOutput) -> torch.Tensor |
 
 
 def drafter_memory(drafter: Drafter, spec: RuntimeSpec, config: EngineConfig) -> DrafterMemory:
-    """The drafter's KV per token, and one full verify round's transient bytes: the per-token state captures,
-    the all-position fp32 logits and the hidden states of ``(k + 1) x max_concurrency`` tokens."""
+    """The drafter's KV per token, one full verify round's transient bytes (the per-token state captures, the
+    all-position fp32 logits and the hidden states of ``(k + 1) x max_concurrency`` tokens) and its checkpoint
+    hooks."""
     tokens = (drafter.draft_tokens + 1) * config.max_concurrency
     per_token = spec.state_image_bytes() + spec.vocab_size * 4 + spec.hidden_size * spec.dtype.itemsize
-    return DrafterMemory(float(drafter.kv_bytes_per_token), tokens * per_token)
+    return DrafterMemory(float(drafter.kv_bytes_per_token), tokens * per_token, drafter_resume(drafter))
 
 
 def target_distribution(logits: torch.Tensor, sampler: RowSampler, vocab_limit: int | None) -> TargetDistribution:

@@ -6,7 +6,8 @@ into the drafter's own paged KV at the target's page ids (so a prefix checkpoint
 ready once its context reaches ``seq.fed``; its one unfed committed token then opens the block
 ``[token, MASK x k]`` at positions ``fed..fed+k`` whose mask slots, through the drafter's norm and the target lm_head,
 are the k greedy drafts (one-hot proposals, as the z-lab reference drafts, so T>0 verification stays lossless). The
-block's own K/V is never stored, so rollback needs nothing beyond which positions the target committed.
+block's own K/V is never stored, so rollback needs nothing beyond which positions the target committed. Every fed
+position is observed, so a checkpoint's pages hold its whole context and the snapshot is just its end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DFlashDrafter:
     """Drafts with a DFlash companion model; argmax proposals."""
 
     backend = "dflash"
+    resume_rewrites = 0  # a resumer writes context K/V only past the checkpoint
 
     def __init__(self, runtime: Qwen35Runtime, model: DFlashModel, draft_tokens: int, lm_head_draft: bool = False):
         block = model.config.block_size
@@ -79,6 +81,14 @@ class DFlashDrafter:
 
     def forget(self, seq: Sequence) -> None:
         self._context_end.pop(id(seq), None)
+
+    def snapshot(self, seq: Sequence) -> int | None:
+        """The context end, when it reaches ``seq.fed`` (the pages then carry the context of every fed token)."""
+        return seq.fed if self.ready(seq) else None
+
+    def restore(self, seq: Sequence, snapshot: object) -> None:
+        assert snapshot == seq.fed, f"a DFlash snapshot at {snapshot} restored at {seq.fed}"
+        self._context_end[id(seq)] = seq.fed
 
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
         tokens = F.linear(self.mask_hidden(rows, counts), self._head).argmax(dim=-1).tolist()

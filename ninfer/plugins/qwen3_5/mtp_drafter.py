@@ -9,9 +9,12 @@ positions the next round rewrites from true trunk hidden states, so rollback is 
 positions were committed (:meth:`observe`).
 
 The KV uses the engine's page ids (one attention layer, same page count and size): a prefix checkpoint's pages
-therefore also carry the MTP KV of its tokens. After a checkpoint hit the hidden state of the checkpoint's last
-position is unknown, so that one MTP entry is skipped (attention still sees the rest); acceptance may dip,
-outputs cannot change.
+therefore also carry the MTP KV of its tokens. The checkpoint's last position ``n - 1`` is the exception: its MTP
+entry needs token ``n``, which each resumer chooses itself. So a snapshot (:meth:`MTPDrafter.snapshot`) first
+writes every earlier tail position, then keeps the trunk hidden state of position ``n - 1``; a resumer restores it
+as its tail (ready at once) and writes entry ``n - 1`` into a private copy of that page (``resume_rewrites``).
+Only a sequence whose MTP KV is complete from position 0 can vouch for its pages; one restored from a checkpoint
+without a snapshot skips entry ``n - 1`` (acceptance may dip, outputs cannot change) and takes no snapshots.
 
 ``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary (:mod:`ninfer.plugins.qwen3_5.draft_head`).
 """
@@ -40,10 +43,20 @@ _EAGER_WRITE = 64
 class _RowState:
     tail_start: int
     tail: torch.Tensor | None = None  # [n, H] trunk hidden states of positions tail_start..tail_start+n-1
+    complete: bool = False  # the MTP KV of every position before tail_start is written in the sequence's pages
 
     @property
     def end(self) -> int:
         return self.tail_start + (0 if self.tail is None else self.tail.shape[0])
+
+
+@attrs.frozen
+class MTPSnapshot:
+    """Resuming at ``position + 1``: the MTP KV of positions before ``position`` is in the checkpoint's pages;
+    ``hidden`` ``[1, H]`` is the trunk's final-normed hidden state at ``position``."""
+
+    position: int
+    hidden: torch.Tensor
 
 
 class MTPDrafter:
@@ -51,6 +64,7 @@ class MTPDrafter:
 
     backend = "mtp"
     capture_layers: tuple[int, ...] = ()
+    resume_rewrites = 1  # a resumer writes the MTP entry of the checkpoint's last position
 
     def __init__(self, runtime: Qwen35Runtime, draft_tokens: int, lm_head_draft: bool = False) -> None:
         if runtime.mtp is None:
@@ -82,7 +96,7 @@ class MTPDrafter:
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         state = self._rows.get(id(seq))
         if state is None or state.end != start:
-            state = self._rows[id(seq)] = _RowState(start)
+            state = self._rows[id(seq)] = _RowState(start, complete=start == 0)
         hidden = hidden.detach()
         state.tail = hidden.clone() if state.tail is None else torch.cat([state.tail, hidden])
         if state.tail.shape[0] > _EAGER_WRITE:
@@ -94,6 +108,21 @@ class MTPDrafter:
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(id(seq), None)
+
+    def snapshot(self, seq: Sequence) -> MTPSnapshot | None:
+        """Write ``seq``'s tail but its last position into the MTP KV, and keep that position's hidden state."""
+        state = self._rows.get(id(seq))
+        if state is None or not state.complete or not self.ready(seq):
+            return None
+        assert state.tail is not None
+        if state.tail.shape[0] > 1:
+            self._write_tail([seq], [state], keep_last=True)
+            assert state.tail is not None
+        return MTPSnapshot(state.tail_start, state.tail.clone())
+
+    def restore(self, seq: Sequence, snapshot: object) -> None:
+        assert isinstance(snapshot, MTPSnapshot) and snapshot.position == seq.fed - 1, "foreign MTP snapshot"
+        self._rows[id(seq)] = _RowState(snapshot.position, snapshot.hidden, complete=True)
 
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
         states = [self._rows[id(seq)] for seq in rows]
