@@ -293,18 +293,45 @@ class DecodeGraphRunner:
         ssm_cache: torch.Tensor,
     ) -> torch.Tensor:
         config = self.config
-        conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
-        projected = F.linear(normed, fused.mixer_in)
-        z = projected[:, conv_dim : conv_dim + value_dim]
-        b = projected[:, conv_dim + value_dim : conv_dim + value_dim + value_heads]
-        a = projected[:, conv_dim + value_dim + value_heads :]
-        mixed = causal_conv1d_update(projected[:, :conv_dim], weights.conv_weight, conv_cache, slots)
+        qkv, z, b, a = self.gated_deltanet_inputs(fused, normed)
+        mixed = causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
             key_heads=config.linear_num_key_heads, z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps,
             value_split=self.gdn_value_split,
         )
-        return F.linear(core.view(normed.shape[0], value_dim), weights.out_proj)
+        return F.linear(core.view(normed.shape[0], config.linear_value_dim), weights.out_proj)
+
+    def gated_deltanet_inputs(
+        self, fused: FusedProjections, normed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused GDN entry GEMM split into its (strided) views: ``(qkv, z, b, a)``."""
+        config = self.config
+        conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
+        projected = F.linear(normed, fused.mixer_in)
+        z = projected[:, conv_dim : conv_dim + value_dim]
+        b = projected[:, conv_dim + value_dim : conv_dim + value_dim + value_heads]
+        return projected[:, :conv_dim], z, b, projected[:, conv_dim + value_dim + value_heads :]
+
+    def attention_query(
+        self,
+        weights: FullAttentionWeights,
+        fused: FusedProjections,
+        normed: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused q/gate/k/v GEMM, q/k norms + RoPE with the new K/V written: ``(query, output gate view)``."""
+        config, model = self.config, self.model
+        heads, dim = config.num_attention_heads, config.head_dim
+        projected = F.linear(normed, fused.mixer_in)
+        query = qk_norm_rope_write_kv(
+            projected, weights.q_norm, weights.k_norm, positions, model.inverse_frequencies,
+            model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
+        )
+        return query, projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
 
     def _attention(
         self,
@@ -317,16 +344,9 @@ class DecodeGraphRunner:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        config, model = self.config, self.model
-        heads, dim = config.num_attention_heads, config.head_dim
-        projected = F.linear(normed, fused.mixer_in)
-        query = qk_norm_rope_write_kv(
-            projected, weights.q_norm, weights.k_norm, inputs.positions, model.inverse_frequencies,
-            model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
-        )
-        gate = projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
+        query, gate = self.attention_query(weights, fused, normed, inputs.positions, slot_mapping, key_cache, value_cache)
         attended = paged_attention_decode(
-            query, key_cache, value_cache, inputs.page_tables, total_lens, scale=dim**-0.5, gate=gate
+            query, key_cache, value_cache, inputs.page_tables, total_lens, scale=self.config.head_dim**-0.5, gate=gate
         )
         return F.linear(attended, weights.o_proj)
 

@@ -180,7 +180,7 @@ class Qwen35MTP:
         ``kv`` and returns the greedy proposal ``argmax(out @ head^T) [R]`` and the post-norm hidden ``out [R, H]``,
         both on the device.
         """
-        from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv
+        from ninfer.kernels.triton.attention import paged_attention_decode
         from ninfer.kernels.triton.norms import add_rms_norm
 
         model, config = self.model, self.model.config
@@ -189,22 +189,19 @@ class Qwen35MTP:
         layer, projections, weights = self.weights.layers[index], fused[index], self.weights
         attention: FullAttentionWeights = layer.mixer  # type: ignore[assignment]
         key_cache, value_cache = kv.key[index], kv.value[index]
-        eps, heads, dim = config.rms_norm_eps, config.num_attention_heads, config.head_dim
+        eps = config.rms_norm_eps
         _, embedded = add_rms_norm(F.embedding(token_ids, model.embed_tokens), None, weights.pre_fc_norm_embedding, eps)
         _, previous = add_rms_norm(hidden, None, weights.pre_fc_norm_hidden, eps)
         x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
         _, normed = add_rms_norm(x, None, layer.input_layernorm, eps)
-        projected = F.linear(normed, projections.mixer_in)
         page_size = kv.page_size
         pages = page_tables.gather(1, (positions // page_size)[:, None]).squeeze(1).long()
-        query = qk_norm_rope_write_kv(
-            projected, attention.q_norm, attention.k_norm, positions.expand(3, -1), model.inverse_frequencies,
-            model.axis_of_frequency, key_cache, value_cache, pages * page_size + positions % page_size, eps,
-            query_heads=heads,
+        query, gate = runner.attention_query(
+            attention, projections, normed, positions.expand(3, -1), pages * page_size + positions % page_size,
+            key_cache, value_cache,
         )
-        gate = projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
         attended = paged_attention_decode(
-            query, key_cache, value_cache, page_tables, positions + 1, scale=dim**-0.5, gate=gate
+            query, key_cache, value_cache, page_tables, positions + 1, scale=config.head_dim**-0.5, gate=gate
         )
         x, normed = add_rms_norm(F.linear(attended, attention.o_proj), x, layer.post_attention_layernorm, eps)
         _, out = add_rms_norm(runner.feed_forward(layer, projections, normed), x, weights.norm, eps)

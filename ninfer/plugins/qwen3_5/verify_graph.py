@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ninfer.core.runtime import CapturedStates, ForwardBatch, ForwardOutput, KVCache, StateCache
 from ninfer.kernels.triton import next_power_of_2
-from ninfer.kernels.triton.attention import paged_attention_verify, qk_norm_rope_write_kv
+from ninfer.kernels.triton.attention import paged_attention_verify
 from ninfer.kernels.triton.conv import causal_conv1d_verify
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION
@@ -288,13 +288,9 @@ class VerifyGraphRunner(DecodeGraphRunner):
         ssm_states: torch.Tensor,
     ) -> torch.Tensor:
         config = self.config
-        conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
-        projected = F.linear(normed, fused.mixer_in)
-        z = projected[:, conv_dim : conv_dim + value_dim]
-        b = projected[:, conv_dim + value_dim : conv_dim + value_dim + value_heads]
-        a = projected[:, conv_dim + value_dim + value_heads :]
+        qkv, z, b, a = self.gated_deltanet_inputs(fused, normed)
         mixed = causal_conv1d_verify(
-            projected[:, :conv_dim], weights.conv_weight, conv_cache, inputs.state_slots, tokens_per_row=inputs.q,
+            qkv, weights.conv_weight, conv_cache, inputs.state_slots, tokens_per_row=inputs.q,
             states_out=conv_states,
         )
         core, _ = fused_recurrent_gated_delta(
@@ -302,7 +298,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
             key_heads=config.linear_num_key_heads, tokens_per_row=inputs.q, z=z, norm_weight=weights.norm,
             norm_eps=config.rms_norm_eps, states_out=ssm_states,
         )
-        return F.linear(core.view(normed.shape[0], value_dim), weights.out_proj)
+        return F.linear(core.view(normed.shape[0], config.linear_value_dim), weights.out_proj)
 
     def _verify_attention(
         self,
@@ -314,16 +310,9 @@ class VerifyGraphRunner(DecodeGraphRunner):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        config, model = self.config, self.model
-        heads, dim = config.num_attention_heads, config.head_dim
-        projected = F.linear(normed, fused.mixer_in)
-        query = qk_norm_rope_write_kv(
-            projected, weights.q_norm, weights.k_norm, inputs.positions, model.inverse_frequencies,
-            model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
-        )
-        gate = projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
+        query, gate = self.attention_query(weights, fused, normed, inputs.positions, slot_mapping, key_cache, value_cache)
         attended = paged_attention_verify(
             query, key_cache, value_cache, inputs.page_tables, inputs.context_lens, tokens_per_row=inputs.q,
-            scale=dim**-0.5, gate=gate,
+            scale=self.config.head_dim**-0.5, gate=gate,
         )
         return F.linear(attended, weights.o_proj)
