@@ -420,6 +420,8 @@ def test_stderr_lines_have_the_operational_format(scenario):
     for line in lines:
         assert STDERR_LINE.match(line), line
     assert any(" INFO ready: serving " in line for line in lines)
+    # what is not built yet says so at startup instead of silently doing less
+    assert any(" WARNING context cache: host-memory checkpoint tiers are not available yet" in line for line in lines)
     assert re.search(r"openai_chat done: \w+, prompt \d+ \(cache \d+ \(\d+%, (root|private endpoint)\)\)", scenario.stderr)
     assert "openai_chat cancelled" in scenario.stderr and lines[-1].endswith(" INFO stopped")
 
