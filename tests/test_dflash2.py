@@ -275,11 +275,12 @@ def test_sampled_proposals_are_the_oracle_walk_distributions(flat, registries):
         assert draft.proposals is not None and len(draft.proposals) == len(draft.tokens) == count
         steps = oracle.walk(oracle.block_hidden(row.tokens, count)[1:], row.tokens[-1], draft.tokens)
         for token, proposal, (candidates, score) in zip(draft.tokens, draft.proposals, steps):
-            assert proposal.shape == (vocab,) and proposal.dtype == torch.float64
-            assert abs(float(proposal.sum()) - 1.0) < 1e-9 and float(proposal.min()) >= 0.0
-            assert set(torch.nonzero(proposal).flatten().tolist()) <= set(candidates.tolist())
-            assert proposal[token] > 0
-            torch.testing.assert_close(proposal[candidates], torch.softmax(score.double() / temperature, 0),
+            assert proposal.probs.dtype == torch.float64 and len(set(proposal.ids.tolist())) == len(proposal.ids)
+            assert abs(float(proposal.probs.sum()) - 1.0) < 1e-9 and float(proposal.probs.min()) >= 0.0
+            assert set(proposal.ids.tolist()) <= set(candidates.tolist()) and 0 <= min(proposal.ids.tolist())
+            assert max(proposal.ids.tolist()) < vocab
+            assert float(proposal.at(torch.tensor([token]))[0]) > 0
+            torch.testing.assert_close(proposal.at(candidates), torch.softmax(score.double() / temperature, 0),
                                        atol=1e-5, rtol=1e-4)
     again, rows = bound_drafter(flat, registries, ROW_TOKENS, temperature)
     assert [d.tokens for d in again.draft(rows, counts)] == [d.tokens for d in drafts]  # seeded: reproducible

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ninfer.core.engine import BudgetClose, EngineConfig, GenerationRequest, SamplingParams
-from ninfer.core.engine.acceptance import TargetDistribution, decide
+from ninfer.core.engine.acceptance import Proposal, TargetDistribution, decide
 from ninfer.core.engine.loader import load_engine
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
@@ -306,6 +306,19 @@ SAMPLES = 20_000
 VOCAB = 12
 
 
+def dense(target: TargetDistribution, vocab: int = VOCAB) -> torch.Tensor:
+    """The target distribution over the whole (test) vocabulary."""
+    out = torch.zeros(vocab, dtype=torch.float64)
+    out.index_add_(0, target.ids.to(torch.int64), target.probs.to(torch.float64))
+    return out
+
+
+def sparse(proposal: torch.Tensor) -> Proposal:
+    """A dense test proposal as the drafters hand it over: its nonzero ids and their probabilities."""
+    ids = torch.nonzero(proposal > 0).flatten()
+    return Proposal(ids, proposal[ids])
+
+
 def target_from(probs: list[float]) -> TargetDistribution:
     p = torch.tensor(probs, dtype=torch.float64)
     ids = torch.nonzero(p > 0).flatten()
@@ -320,7 +333,7 @@ def sample_outputs(target: TargetDistribution, proposal: torch.Tensor | None, fi
     tokens, accepted = [], 0
     for index in range(SAMPLES):
         draft = int(drafts[index]) if drafts is not None else fixed_draft
-        verdict = decide(target, draft, generator, proposal)
+        verdict = decide(target, draft, generator, sparse(proposal) if proposal is not None else None)
         accepted += verdict.accepted
         tokens.append(verdict.token)
     return empirical(tokens, VOCAB), accepted / SAMPLES
@@ -330,7 +343,7 @@ def test_rejection_sampling_with_a_different_proposal_recovers_the_target():
     target = target_from([0.3, 0.25, 0.2, 0.1, 0.1, 0.05] + [0.0] * 6)
     proposal = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.2, 0.1, 0.1, 0.1, 0, 0, 0, 0], dtype=torch.float64)
     dist, acceptance = sample_outputs(target, proposal, None)
-    p = target.dense(VOCAB)
+    p = dense(target)
     assert total_variation(dist, p) < 0.02
     expected = float(torch.minimum(p, proposal).sum())  # 1 - TV(p, q)
     assert abs(acceptance - expected) < 0.02
@@ -339,7 +352,7 @@ def test_rejection_sampling_with_a_different_proposal_recovers_the_target():
 def test_rejection_sampling_with_a_one_hot_proposal_recovers_the_target():
     target = target_from([0.1, 0.6, 0.2, 0.1] + [0.0] * 8)
     dist, acceptance = sample_outputs(target, None, fixed_draft=2)
-    assert total_variation(dist, target.dense(VOCAB)) < 0.02
+    assert total_variation(dist, dense(target)) < 0.02
     assert abs(acceptance - 0.2) < 0.02
 
 
@@ -349,7 +362,7 @@ def test_rejection_sampling_respects_top_k_and_top_p_processing():
     logits = torch.tensor([[2.0, 1.5, 1.2, 1.0, 0.9, 0.5, 0.1, 0.0, -1.0, -2.0, 0.3, 0.2]])
     probs, ids = candidate_distribution(logits, [sampler])
     target = TargetDistribution(probs=probs[0].double(), ids=ids[0])
-    p = target.dense(VOCAB)
+    p = dense(target)
     assert int((p > 0).sum()) <= 4  # top-k/top-p removed candidates
     proposal = torch.full((VOCAB,), 1.0 / VOCAB, dtype=torch.float64)
     dist, _ = sample_outputs(target, proposal, None, seed=3)

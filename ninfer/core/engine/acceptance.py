@@ -32,12 +32,19 @@ class TargetDistribution:
     def greedy(self) -> bool:
         return self.argmax is not None
 
-    def dense(self, vocab_size: int) -> torch.Tensor:
-        """The distribution over the whole vocabulary (float64)."""
-        assert self.probs is not None and self.ids is not None
-        out = torch.zeros(vocab_size, dtype=torch.float64)
-        out.index_add_(0, self.ids.to(torch.int64), self.probs.to(torch.float64))
-        return out
+
+@attrs.frozen
+class Proposal:
+    """The distribution a drafter drew one token from: ``probs`` (float64, sums to 1) over distinct ``ids``; every
+    other id has probability 0 (a top-K candidate walk proposes from K ids, not the whole vocabulary)."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def at(self, ids: torch.Tensor) -> torch.Tensor:
+        """q at each of ``ids`` (float64; 0 where the proposal has no mass)."""
+        match = ids.to(torch.int64)[:, None] == self.ids.to(torch.int64)[None, :]
+        return match.to(torch.float64) @ self.probs.to(torch.float64)
 
 
 @attrs.frozen
@@ -81,26 +88,28 @@ def accept_one_hot(target: TargetDistribution, draft: int, generator: torch.Gene
 
 
 def accept_proposal(
-    target: TargetDistribution, draft: int, proposal: torch.Tensor, generator: torch.Generator
+    target: TargetDistribution, draft: int, proposal: Proposal, generator: torch.Generator
 ) -> Verdict:
-    """Rejection sampling for a draft drawn from ``proposal`` (``[V]`` probabilities over the vocabulary)."""
-    q = proposal.to("cpu", torch.float64)
-    p = target.dense(q.shape[0])
-    q_x = float(q[draft])
+    """Rejection sampling for a draft drawn from ``proposal``; all sums run over the target's candidates, which hold
+    every id where ``p > 0`` (and so every id of the residual ``max(0, p - q)``)."""
+    assert target.probs is not None and target.ids is not None
+    ids, p = target.ids.to(torch.int64), target.probs.to(torch.float64)
+    q_x = float(proposal.at(torch.tensor([draft]))[0])
     if q_x <= 0.0:
         raise ValueError(f"draft token {draft} has zero probability under its own proposal distribution")
-    if float(draw_uniform(generator)) * q_x < float(p[draft]):
+    p_x = float(p[ids == draft].sum())
+    if float(draw_uniform(generator)) * q_x < p_x:
         return Verdict(draft, True)
-    residual = (p - q).clamp_min(0.0)
+    residual = (p - proposal.at(ids)).clamp_min(0.0)
     total = float(residual.sum())
     if total <= 0.0:  # p == q up to rounding: the rejection had probability ~0; fall back to p itself
         residual, total = p, float(p.sum())
-    ids = torch.nonzero(residual > 0).flatten()
-    return Verdict(inverse_cdf(residual[ids] / total, ids, draw_uniform(generator)), False)
+    keep = residual > 0
+    return Verdict(inverse_cdf(residual[keep] / total, ids[keep], draw_uniform(generator)), False)
 
 
 def decide(
-    target: TargetDistribution, draft: int, generator: torch.Generator, proposal: torch.Tensor | None = None
+    target: TargetDistribution, draft: int, generator: torch.Generator, proposal: Proposal | None = None
 ) -> Verdict:
     """Accept or replace ``draft`` at one verify position (see the module rules)."""
     if target.greedy:

@@ -34,7 +34,7 @@ from typing import Callable, Protocol, Sequence as Seq
 import attrs
 import torch
 
-from ninfer.core.engine.acceptance import TargetDistribution, decide, sample_target
+from ninfer.core.engine.acceptance import Proposal, TargetDistribution, decide, sample_target
 from ninfer.core.engine.batching import build_batch
 from ninfer.core.engine.commit import Finish, commit_sampled
 from ninfer.core.engine.config import EngineConfig
@@ -56,11 +56,11 @@ class SpeculativeConfig:
 
 @attrs.frozen
 class Draft:
-    """A row's proposed tokens; ``proposals[i]`` is the ``[V]`` distribution token i was drawn from, or None
-    for a deterministic (one-hot) proposal."""
+    """A row's proposed tokens; ``proposals[i]`` is the distribution token i was drawn from, or None for a
+    deterministic (one-hot) proposal."""
 
     tokens: tuple[int, ...]
-    proposals: tuple[torch.Tensor, ...] | None = None
+    proposals: tuple[Proposal, ...] | None = None
 
 
 class Drafter(Protocol):

@@ -3,8 +3,8 @@
 Observing, readiness, forgetting and the paged context KV are DFlash's (:class:`DFlashDrafter`). Drafting runs the
 DFlash2 block forward once for every row, then walks each row's top-K candidates from its anchor (the one unfed
 committed token). A greedy row gets the argmax path (one-hot proposals). A row sampling at temperature T draws each
-position from ``softmax(score / T)`` over its candidates and returns that distribution as the position's ``[V]``
-proposal, so ``accept_proposal`` keeps the output distribution exactly the target's. The draws come from a
+position from ``softmax(score / T)`` over its candidates and returns that distribution (K ids and their probabilities)
+as the position's ``Proposal``, so ``accept_proposal`` keeps the output distribution exactly the target's. The draws come from a
 drafter-owned generator per sequence, seeded from the request's seed with a fixed salt (a seeded request drafts
 reproducibly, and its proposal noise is independent of the acceptance draws on the request's own generator).
 """
@@ -15,6 +15,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from ninfer.core.engine.acceptance import Proposal
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.plugins.qwen3_5.dflash2 import DFlash2Model
@@ -56,7 +57,8 @@ class DFlash2Drafter(DFlashDrafter):
             proposals = None
             if temperature > 0:
                 proposals = tuple(
-                    self._dense(candidates[slot], probabilities[slot]) for slot in range(offset, offset + count)
+                    Proposal(candidates[slot], probabilities[slot].to(torch.float64))
+                    for slot in range(offset, offset + count)
                 )
             drafts.append(Draft(chosen, proposals))
             offset += count
@@ -78,12 +80,6 @@ class DFlash2Drafter(DFlashDrafter):
             seed = (int(seq.sampler.seed) ^ _PROPOSAL_SEED_SALT) & _UINT64_MASK
             generator = self._generators[id(seq)] = torch.Generator().manual_seed(seed)
         return generator
-
-    def _dense(self, candidates: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
-        """A ``[V]`` proposal: ``probabilities`` at ``candidates``, zero elsewhere."""
-        proposal = torch.zeros(self.model.spec.vocab_size, dtype=torch.float64)
-        proposal[candidates] = probabilities
-        return proposal
 
 
 def gumbel_noise(generator: torch.Generator, count: int, width: int) -> torch.Tensor:
