@@ -147,10 +147,8 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
             f"recurrent layers on {runtime.spec.device}"
         )
         log.warning(
-            "context cache: host-memory checkpoint tiers are not available yet; checkpoints live only in the "
-            f"{config.device_state_slots} device StateImage slot(s) of --device-state-slots, and --host-state-slots, "
-            "--host-kv-mib and the continuation limits (--max-private-continuations, --max-shared-prefixes, "
-            "--max-long-anchors-per-continuation) have no effect"
+            "context cache: continuation limits are not available yet; --max-private-continuations, "
+            "--max-shared-prefixes and --max-long-anchors-per-continuation have no effect"
         )
         try:
             tokenizer = artifact_tokenizer(artifact)

@@ -177,7 +177,8 @@ def test_stream_events_are_ordered_and_rebuild_the_terminal_items(echo):
     aggregate = post(echo, "/v1/responses", body).json()
     strip = lambda item: {key: value for key, value in item.items() if key not in ("id", "call_id")}  # noqa: E731
     assert [strip(item) for item in aggregate["output"]] == [strip(item) for item in final["output"]]
-    assert aggregate["usage"] == final["usage"]
+    uncached = lambda usage: {k: v for k, v in usage.items() if k != "input_tokens_details"}  # noqa: E731
+    assert uncached(aggregate["usage"]) == uncached(final["usage"])  # the repeat may read the prefix cache
 
 
 def test_sdk_stream_yields_typed_events(echo):

@@ -421,7 +421,8 @@ def test_stderr_lines_have_the_operational_format(scenario):
         assert STDERR_LINE.match(line), line
     assert any(" INFO ready: serving " in line for line in lines)
     # what is not built yet says so at startup instead of silently doing less
-    assert any(" WARNING context cache: host-memory checkpoint tiers are not available yet" in line for line in lines)
+    assert any(" WARNING context cache: continuation limits are not available yet" in line for line in lines)
+    assert not any("--host-state-slots" in line or "--host-kv-mib" in line for line in lines)  # the host tier exists
     assert re.search(r"openai_chat done: \w+, prompt \d+ \(cache \d+ \(\d+%, (root|private endpoint)\)\)", scenario.stderr)
     assert "openai_chat cancelled" in scenario.stderr and lines[-1].endswith(" INFO stopped")
 

@@ -29,7 +29,8 @@ def echo(tmp_path_factory: pytest.TempPathFactory):
     if not FIXTURES.is_dir():
         pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     artifact = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
-    args = ["--default-max-tokens", "256", "--device-state-slots", "3"]
+    # no host tier: the control chain must be able to lose its checkpoint to anonymous traffic
+    args = ["--default-max-tokens", "256", "--device-state-slots", "3", "--host-state-slots", "0"]
     [server] = start_servers(tmp_path_factory.mktemp("sessions"), [(artifact, args, {})], [ECHO_MODEL])
     yield server
     server.stop()

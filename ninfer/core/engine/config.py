@@ -72,7 +72,10 @@ class EngineConfig:
 
     ``kv_capacity`` is the Main Text KV pool in tokens or ``"auto"`` (CUDA: free memory less 1 GiB; CPU:
     ``max_context * max_concurrency``). ``device_state_slots`` is H, the checkpoint StateImage slots beyond
-    the C active lanes (None: H = C). ``pending_timeout_ms`` None waits without a deadline (offline use).
+    the C active lanes (None: H = C). ``host_state_slots`` / ``host_kv_mib`` size the host tier that takes
+    checkpoints the device evicts (either 0: no host tier, the engine's default; the server's defaults of 8 slots
+    and 8192 MiB arrive through :meth:`from_serve_config`). ``pending_timeout_ms`` None waits without a deadline
+    (offline use).
     ``sampling_overrides`` are the process-level sampler flags (None values are unset);
     ``greedy`` forces temperature 0 for every request.
     """
@@ -84,6 +87,8 @@ class EngineConfig:
     max_context: int = attrs.field(default=8192, validator=_positive("max_context"))
     kv_capacity: int | Literal["auto"] = attrs.field(default=AUTO, validator=_kv_capacity)
     device_state_slots: int | None = attrs.field(default=None, validator=_non_negative("device_state_slots"))
+    host_state_slots: int = attrs.field(default=0, validator=_non_negative("host_state_slots"))
+    host_kv_mib: int = attrs.field(default=0, validator=_non_negative("host_kv_mib"))
     prefix_reuse: bool = True
     page_size: int = attrs.field(default=16, validator=_positive("page_size"))
     default_max_tokens: int = attrs.field(default=8192, validator=_positive("default_max_tokens"))
@@ -108,6 +113,8 @@ class EngineConfig:
             max_context=config.max_context,
             kv_capacity=config.kv_capacity,
             device_state_slots=config.device_state_slots,
+            host_state_slots=config.host_state_slots,
+            host_kv_mib=config.host_kv_mib,
             prefix_reuse=not config.no_prefix_reuse,
             default_max_tokens=config.default_max_tokens,
             sampling_overrides={name: getattr(config, name) for name in (*SAMPLER_FIELDS, "seed")},

@@ -107,8 +107,8 @@ class Engine:
         )
 
     def clear_prefix_cache(self) -> None:
-        """Drop every prefix checkpoint (runs on the executor between steps)."""
-        self._executor.call(self._memory.cache.clear)
+        """Drop every prefix checkpoint of the device and host tiers (runs on the executor between steps)."""
+        self._executor.call(self._memory.clear_cache)
 
     # -- sampling ----------------------------------------------------------------------------------
 

@@ -9,6 +9,11 @@ A speculative drafter that can resume (:class:`DrafterResume`) has its snapshot 
 restored with it, so a request whose prompt ends exactly at a checkpoint drafts from its first decode round. The
 pages holding the checkpoint's last ``rewritten_positions`` positions are copied, not shared, for such a request:
 the drafter rewrites its own paged state there (MTP's entry for the last position depends on the next token).
+
+Checkpoints the device cache evicts move to the host tier (:class:`HostCache`) when it is enabled and they fit. A
+host checkpoint longer than the best device hit is restored at admission into a request reserved like a cold one
+(same reservation, same pressure evictions); if that reservation does not fit now, admission falls back to the
+device hit or a cold prefill.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import attrs
 import torch
 
 from ninfer.core.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
+from ninfer.core.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters
 from ninfer.core.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
-from ninfer.core.engine.prefix_cache import PrefixCache
+from ninfer.core.engine.prefix_cache import Checkpoint, PrefixCache
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
@@ -86,6 +92,9 @@ class MemoryStats:
     checkpoints: int
     page_size: int
     kv_capacity_tokens: int
+    host_checkpoints: int = 0
+    host_kv_bytes: int = 0
+    host_tier: HostTierCounters = HostTierCounters()  # cumulative since start
 
 
 class EngineMemory:
@@ -100,7 +109,14 @@ class EngineMemory:
         self.kv = KVCache.allocate(spec, num_pages, self.page_size)
         self.pages = PagePool(num_pages)
         self.slots = SlotPool(num_slots)
-        self.cache = PrefixCache(config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state)
+        self.host = HostCache(
+            config.host_state_slots if config.checkpoint_slots else 0, config.host_kv_mib * MIB, self.state,
+            self.page_size,
+        )
+        self.cache = PrefixCache(
+            config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state,
+            spill=self._spill if self.host.enabled else None,
+        )
         self.promised = 0
         self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
         self._resume = None if drafter is None else drafter.resume
@@ -120,6 +136,21 @@ class EngineMemory:
             checkpoints=len(self.cache),
             page_size=self.page_size,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            host_checkpoints=len(self.host),
+            host_kv_bytes=self.host.used_kv_bytes,
+            host_tier=self.host.counters,
+        )
+
+    def clear_cache(self) -> None:
+        """Drop every prefix checkpoint of both tiers."""
+        self.cache.clear()
+        self.host.clear()
+
+    def _spill(self, entry: Checkpoint) -> None:
+        """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
+        self.host.store(
+            entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
+            self.state, (self.kv, *self.companions),
         )
 
     # -- admission ---------------------------------------------------------------------------------
@@ -133,6 +164,10 @@ class EngineMemory:
         Failing both, the request is admitted without reuse.
         """
         hit = self.cache.lookup(seq.prompt) if reuse else None
+        if reuse and self.host.enabled:
+            host_hit = self.host.lookup(seq.prompt, longer_than=0 if hit is None else len(hit.tokens))
+            if host_hit is not None and self._admit_from_host(seq, host_hit):
+                return True
         consume = False
         if hit is not None and not self._fits(seq, hit, self._shareable_pages(hit)):
             consume = self._consumable(hit) and self._fits(seq, hit, len(hit.pages))
@@ -170,6 +205,29 @@ class EngineMemory:
         seq.last_logits, seq.last_logits_at = hit.logits, size
         if hit.drafter is not None and self._resume is not None:
             self._resume.restore(seq, hit.drafter)
+        return True
+
+    def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
+        """Reserve ``seq`` like a cold request and copy the host checkpoint into it; False if it does not fit now."""
+        if not self._fits(seq, None, 0):
+            return False
+        fresh = pages_for(seq.reserved_tokens, self.page_size)
+        self.host.protected = entry  # device evictions below spill to the host tier: keep this entry there
+        try:
+            while self.pages.free_count - self.promised < fresh:
+                if not self.cache.evict():
+                    raise RuntimeError("admission found reclaimable checkpoint pages that eviction did not free")
+        finally:
+            self.host.protected = None
+        seq.slot = self.slots.acquire()
+        self.promised += fresh
+        seq.promised_pages = fresh
+        pages = [self._allocate(seq) for _ in range(entry.num_pages)]
+        self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
+        seq.fed = seq.cache_n = len(entry.tokens)
+        seq.last_logits, seq.last_logits_at = entry.logits, len(entry.tokens)
+        if entry.drafter is not None and self._resume is not None:
+            self._resume.restore(seq, entry.drafter)
         return True
 
     def _shareable_pages(self, hit: Any) -> int:
@@ -238,6 +296,8 @@ class EngineMemory:
         if checkpoint and seq.fed > 0 and seq.last_logits is not None and seq.last_logits_at == seq.fed:
             session = seq.request.session
             endpoint_of = session.key if session is not None and session.may_replace_endpoint else None
+            if endpoint_of is not None:
+                self.host.demote(endpoint_of)
             kept = self.cache.capture(
                 seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
                 drafter_snapshot=self._drafter_snapshot(seq),

@@ -11,6 +11,9 @@ an ordinary anonymous checkpoint. Eviction takes the least recently used anonymo
 session endpoint (least recently used) only when no anonymous one is left, so the number of sessions kept
 is bounded by the capacity itself. Sessions never change lookup: it is by exact token prefix only.
 
+An evicted checkpoint is first handed to ``spill`` (the engine moves it to the host tier, see
+:mod:`ninfer.core.engine.host_cache`); its device pages and slot are released either way.
+
 With speculative decoding a checkpoint may also keep the drafter's *snapshot*: what the drafter needs (beyond the
 pages, which carry its paged state) to draft right after the checkpoint's last token. The engine treats it as opaque.
 """
@@ -43,12 +46,21 @@ class Checkpoint:
 class PrefixCache:
     """At most ``capacity`` checkpoints; anonymous ones are evicted (LRU) before session endpoints (LRU)."""
 
-    def __init__(self, capacity: int, page_size: int, pages: PagePool, slots: SlotPool, state: StateCache) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        page_size: int,
+        pages: PagePool,
+        slots: SlotPool,
+        state: StateCache,
+        spill: Callable[[Checkpoint], None] | None = None,
+    ) -> None:
         self.capacity = capacity
         self.page_size = page_size
         self._pages = pages
         self._slots = slots
         self._state = state
+        self._spill = spill
         self._entries: list[Checkpoint] = []
         self._clock = 0
 
@@ -145,12 +157,14 @@ class PrefixCache:
             previous.session = None
 
     def evict(self, keep: Checkpoint | None = None) -> bool:
-        """Drop one checkpoint other than ``keep``: the least recently used anonymous one, else the least
-        recently used session endpoint; False when there is none."""
+        """Evict one checkpoint other than ``keep``: the least recently used anonymous one, else the least
+        recently used session endpoint (offered to ``spill`` first); False when there is none."""
         candidates = [entry for entry in self._entries if entry is not keep]
         if not candidates:
             return False
         victim = min(candidates, key=lambda entry: (entry.session is not None, entry.last_used))
+        if self._spill is not None:
+            self._spill(victim)
         self._drop(victim)
         return True
 

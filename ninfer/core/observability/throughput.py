@@ -4,8 +4,8 @@ Token counters are fed by the protocol layer as it receives engine commits (:cla
 the scheduler snapshot comes from ``Engine.stats()`` at the end of the interval. Fully idle intervals
 (no counter moved and nothing outstanding) are omitted. Decode rounds and host work are deltas of the totals the
 engine worker last published (:class:`HostWorkTotals`: each wall-time segment counted once, whatever the batch
-size). Counters the engine does not measure yet (context-cache activity) are reported as null; see
-``docs/request-log.md``.
+size), and so are the context cache's host-tier counters (:class:`HostTierCounters`). Context-cache fields the engine
+does not measure yet are reported as null; see ``docs/request-log.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.core.engine.host_cache import HostTierCounters
 from ninfer.core.engine.host_work import CLASS_NAMES, DETAIL_NAMES, HOST_PHASES, PHASE_NAMES, HostWorkTotals, Phase
 from ninfer.core.observability import oplog
 
@@ -114,6 +115,24 @@ def host_work_fields(work: HostWorkTotals) -> dict[str, Any]:
     }
 
 
+def context_cache_counters(delta: HostTierCounters) -> dict[str, Any]:
+    """The JSONL ``context_cache.counters`` object of one interval's host-tier deltas."""
+    return {"host_tier": attrs.asdict(delta)}
+
+
+def _occupancy(memory: Any) -> dict[str, int]:
+    occupancy = {
+        "checkpoints": memory.checkpoints,
+        "checkpoint_pages": memory.checkpoint_pages,
+        "free_pages": memory.free_pages,
+        "total_pages": memory.total_pages,
+        "promised_pages": memory.promised_pages,
+    }
+    if getattr(memory, "host_tier", None) is not None:  # an engine with the host tier's gauges
+        occupancy.update(host_checkpoints=memory.host_checkpoints, host_kv_bytes=memory.host_kv_bytes)
+    return occupancy
+
+
 def host_active_seconds(work: HostWorkTotals) -> float:
     """The interval's host-active time: the five host phases (device wait excluded)."""
     return sum(work.phase_seconds(phase) for phase in HOST_PHASES)
@@ -121,9 +140,9 @@ def host_active_seconds(work: HostWorkTotals) -> float:
 
 def throughput_fields(
     counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts(),
-    host_work: HostWorkTotals | None = None,
+    host_work: HostWorkTotals | None = None, cache_counters: HostTierCounters | None = None,
 ) -> dict[str, Any]:
-    """The JSONL ``throughput`` event body."""
+    """The JSONL ``throughput`` event body; ``cache_counters`` are the interval's host-tier deltas (None: null)."""
     memory = stats.memory
     return {
         "interval_seconds": interval_seconds,
@@ -136,14 +155,8 @@ def throughput_fields(
         },
         "scheduler": scheduler_snapshot(stats),
         "context_cache": {
-            "occupancy": {
-                "checkpoints": memory.checkpoints,
-                "checkpoint_pages": memory.checkpoint_pages,
-                "free_pages": memory.free_pages,
-                "total_pages": memory.total_pages,
-                "promised_pages": memory.promised_pages,
-            },
-            "counters": None,
+            "occupancy": _occupancy(memory),
+            "counters": None if cache_counters is None else context_cache_counters(cache_counters),
             "last_selection": None,
         },
         "host_work": None if host_work is None else host_work_fields(host_work),
@@ -189,11 +202,14 @@ class ThroughputReporter:
         self._last = time.monotonic()
         self._last_rounds = RoundCounts()
         self._last_host = HostWorkTotals.zero()
+        self._last_cache = HostTierCounters()
         self._thread = threading.Thread(target=self._run, name="ninfer-throughput", daemon=True)
 
     def start(self) -> None:
         """Start reporting; work the engine did before now (startup) is not reported."""
-        host = self.engine.stats().host_work
+        stats = self.engine.stats()
+        self._last_cache = getattr(stats.memory, "host_tier", None) or HostTierCounters()
+        host = stats.host_work
         if host is not None:
             self._last_host = host
             self._last_rounds = RoundCounts(host.decode_rounds, host.decode_row_rounds)
@@ -232,9 +248,15 @@ class ThroughputReporter:
             total = RoundCounts(stats.decode_rounds, stats.decode_row_rounds)
         rounds = RoundCounts(total.rounds - self._last_rounds.rounds, total.row_rounds - self._last_rounds.row_rounds)
         self._last_rounds = total
-        if counts.idle() and stats.outstanding == 0 and rounds.rounds == 0:
+        cache_total: HostTierCounters | None = getattr(stats.memory, "host_tier", None)
+        cache_delta = None if cache_total is None else cache_total.minus(self._last_cache)
+        if cache_total is not None:
+            self._last_cache = cache_total
+        cache_idle = cache_delta is None or cache_delta == HostTierCounters()
+        if counts.idle() and stats.outstanding == 0 and rounds.rounds == 0 and cache_idle:
             return False
         oplog.get_logger().info(pretty_line(counts, interval_seconds, stats, rounds, host_delta))
         if self.request_log is not None:
-            self.request_log.write("throughput", throughput_fields(counts, interval_seconds, stats, rounds, host_delta))
+            fields = throughput_fields(counts, interval_seconds, stats, rounds, host_delta, cache_delta)
+            self.request_log.write("throughput", fields)
         return True
