@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from ninfer.core.engine.pages import pages_for
+from ninfer.core.engine.prefix_cache import eviction_victim, longest_prefix
 from ninfer.core.runtime import KVCache, StateCache
 
 MIB = 1 << 20
@@ -111,13 +112,7 @@ class HostCache:
 
     def lookup(self, prompt: Sequence[int], longer_than: int = 0) -> HostCheckpoint | None:
         """The longest host checkpoint longer than ``longer_than`` tokens whose tokens prefix ``prompt``."""
-        best: HostCheckpoint | None = None
-        for entry in self._entries:
-            size = len(entry.tokens)
-            if size <= longer_than or size > len(prompt) or (best is not None and size <= len(best.tokens)):
-                continue
-            if tuple(prompt[:size]) == entry.tokens:
-                best = entry
+        best = longest_prefix(self._entries, prompt, longer_than)
         if best is not None:
             best.last_used = self._tick()
         return best
@@ -186,7 +181,7 @@ class HostCache:
             candidates = [entry for entry in self._entries if entry is not self.protected]
             if not candidates:
                 return False
-            victim = min(candidates, key=lambda entry: (entry.session is not None, entry.last_used))
+            victim = eviction_victim(candidates)
             self._remove(victim)
             self._count(evictions=1)
         return True

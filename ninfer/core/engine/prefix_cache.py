@@ -21,13 +21,41 @@ pages, which carry its paged state) to draft right after the checkpoint's last t
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import attrs
 import torch
 
 from ninfer.core.engine.pages import PagePool, SlotPool, pages_for
 from ninfer.core.runtime import StateCache
+
+
+R = TypeVar("R", bound="Retained")
+
+
+class Retained(Protocol):
+    """What both cache tiers keep per checkpoint and choose by."""
+
+    tokens: tuple[int, ...]
+    session: str | None
+    last_used: int
+
+
+def longest_prefix(entries: Iterable[R], prompt: Sequence[int], longer_than: int = 0) -> R | None:
+    """The longest entry (longer than ``longer_than`` tokens) whose tokens are a prefix of (or equal to) ``prompt``."""
+    best: R | None = None
+    for entry in entries:
+        size = len(entry.tokens)
+        if size <= longer_than or size > len(prompt) or (best is not None and size <= len(best.tokens)):
+            continue
+        if tuple(prompt[:size]) == entry.tokens:
+            best = entry
+    return best
+
+
+def eviction_victim(entries: Iterable[R]) -> R:
+    """The entry to evict first: the least recently used anonymous one, else the least recently used endpoint."""
+    return min(entries, key=lambda entry: (entry.session is not None, entry.last_used))
 
 
 @attrs.define(eq=False)
@@ -88,13 +116,7 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> Checkpoint | None:
         """The longest checkpoint whose tokens are a prefix of (or equal to) ``prompt``."""
-        best: Checkpoint | None = None
-        for entry in self._entries:
-            size = len(entry.tokens)
-            if size > len(prompt) or (best is not None and size <= len(best.tokens)):
-                continue
-            if tuple(prompt[:size]) == entry.tokens:
-                best = entry
+        best = longest_prefix(self._entries, prompt)
         if best is not None:
             best.last_used = self._tick()
         return best
@@ -162,7 +184,7 @@ class PrefixCache:
         candidates = [entry for entry in self._entries if entry is not keep]
         if not candidates:
             return False
-        victim = min(candidates, key=lambda entry: (entry.session is not None, entry.last_used))
+        victim = eviction_victim(candidates)
         if self._spill is not None:
             self._spill(victim)
         self._drop(victim)
