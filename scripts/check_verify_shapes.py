@@ -34,7 +34,8 @@ from ninfer.plugins.qwen3_5.fused import fuse_model
 from ninfer.plugins.qwen3_5.presets import preset_config
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
-from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner, VerifyInputs
+from ninfer.plugins.qwen3_5.decode_graph import DecodeInputs
+from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner
 
 PAGE_SIZE = 16
 CONTEXTS = (77, 200)
@@ -175,7 +176,7 @@ def check(
             "hidden": rel_err(got.hidden, want.hidden),
             "caches": cache_errors(ours, expected, kinds, caches.lengths),
         }
-        inputs = VerifyInputs(len(CONTEXTS), 1, PAGES_PER_ROW, device)
+        inputs = DecodeInputs(len(CONTEXTS), PAGES_PER_ROW, device, q=1)
         inputs.load(single.batch(step, verify=True))
         buffers = verifier._state_buffers(single.state, len(CONTEXTS))
         hidden, logits = verifier.verify_step(inputs, single.kv, single.state, buffers)

@@ -12,7 +12,7 @@ hand-over and the first kernel (each step waits for its token on the host, so no
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -42,52 +42,56 @@ MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from her
 
 
 class DecodeInputs:
-    """Static device buffers of one captured batch shape: ``rows`` rows, page tables ``width`` pages wide.
+    """Static device buffers of one captured batch shape: ``rows`` rows of ``q`` tokens each (1 for decode, k+1 for a
+    speculative verify), page tables ``width`` pages wide.
 
     All inputs live in one int64 device buffer filled by a single copy from a pinned host staging buffer:
-    ``token_ids [B]``, ``positions [3, B]`` (MRoPE rows), ``context_lens [B]`` (tokens cached before this step),
-    ``state_slots [B]`` and ``page_tables [B, W]``.
+    ``token_ids [T]``, ``positions [3, T]`` (MRoPE rows), ``context_lens [R]`` (tokens cached before this forward),
+    ``state_slots [R]`` and ``page_tables [R, W]`` (T = R*q).
     """
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.rows, self.width = rows, width
-        size = rows * (6 + width)
+    def __init__(self, rows: int, width: int, device: torch.device, q: int = 1) -> None:
+        self.rows, self.q, self.width = rows, q, width
+        tokens = rows * q
+        self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows)
+        size = 4 * tokens + rows * (2 + width)
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         pinned = device.type == "cuda"
         self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
-        self._host_numpy = self.host_buffer.numpy()
         self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
             self.device_buffer
         )
+        self._staged = self._views(self.host_buffer.numpy())
 
-    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rows = self.rows
+    def _views(self, buffer: Any) -> tuple[Any, ...]:
+        """The five fields as views of ``buffer`` (the device tensor or the host numpy array)."""
+        a, b, c, d = self._bounds
         return (
-            buffer[:rows],
-            buffer[rows : 4 * rows].view(3, rows),
-            buffer[4 * rows : 5 * rows],
-            buffer[5 * rows : 6 * rows],
-            buffer[6 * rows :].view(rows, self.width),
+            buffer[:a],
+            buffer[a:b].reshape(3, a),
+            buffer[b:c],
+            buffer[c:d],
+            buffer[d:].reshape(self.rows, self.width),
         )
 
     def load(self, batch: ForwardBatch) -> None:
-        """Stage one decode batch and copy it to the device buffer without a host sync.
+        """Stage one batch and copy it to the device buffer without a host sync.
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
         one asynchronous transfer; fields already on the device are copied device to device after it.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the staging buffer
-        rows, width = self.rows, batch.page_tables.shape[1]
-        staged = self._host_numpy
-        staged[4 * rows : 5 * rows] = batch.context_lens
+        token_ids, positions, context_lens, state_slots, page_tables = self._staged
+        context_lens[...] = batch.context_lens
+        width = batch.page_tables.shape[1]
         on_device = []
         fields = (
-            (batch.token_ids, staged[:rows], self.token_ids),
-            (batch.positions, staged[rows : 4 * rows].reshape(3, rows), self.positions),
-            (batch.state_slots, staged[5 * rows : 6 * rows], self.state_slots),
-            (batch.page_tables, staged[6 * rows :].reshape(rows, self.width)[:, :width], self.page_tables[:, :width]),
+            (batch.token_ids, token_ids, self.token_ids),
+            (batch.positions, positions, self.positions),
+            (batch.state_slots, state_slots, self.state_slots),
+            (batch.page_tables, page_tables[:, :width], self.page_tables[:, :width]),
         )
         for source, host_view, device_view in fields:
             if source.device.type == "cpu":
@@ -103,7 +107,8 @@ class DecodeInputs:
 
 @attrs.define
 class CapturedStep:
-    """One captured decode step: its graphs (layer segments, launched in order) and static inputs/outputs."""
+    """One captured decode step or verify forward: its graphs (layer segments, launched in order) and static
+    inputs/outputs."""
 
     graphs: list[torch.cuda.CUDAGraph]
     inputs: DecodeInputs

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import attrs
 import torch
 import torch.nn.functional as F
 
@@ -23,72 +22,19 @@ from ninfer.kernels.triton.attention import paged_attention_verify
 from ninfer.kernels.triton.conv import causal_conv1d_verify
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION
-from ninfer.plugins.qwen3_5.decode_graph import MIN_PAGE_BUCKET, DecodeGraphRunner, StepCarry, _identity
+from ninfer.plugins.qwen3_5.decode_graph import (
+    MIN_PAGE_BUCKET,
+    CapturedStep,
+    DecodeGraphRunner,
+    DecodeInputs,
+    StepCarry,
+    _identity,
+)
 from ninfer.plugins.qwen3_5.fused import FusedProjections
 from ninfer.plugins.qwen3_5.layers import FullAttentionWeights, GatedDeltaNetWeights
 from ninfer.plugins.qwen3_5.model import Qwen35Model
 
 MAX_TOKENS_PER_ROW = 16  # verify batches with more tokens per row take the generic path
-
-
-class VerifyInputs:
-    """Static device buffers of one verify shape: ``rows`` rows of ``q`` tokens, page tables ``width`` pages wide.
-
-    One int64 device buffer, filled by a single copy from a pinned host staging buffer: ``token_ids [T]``,
-    ``positions [3, T]``, ``context_lens [R]`` (tokens cached before this forward), ``state_slots [R]`` and
-    ``page_tables [R, W]`` (T = R*q).
-    """
-
-    def __init__(self, rows: int, q: int, width: int, device: torch.device) -> None:
-        self.rows, self.q, self.width = rows, q, width
-        tokens = rows * q
-        self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows)
-        size = 4 * tokens + rows * (2 + width)
-        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
-        pinned = device.type == "cuda"
-        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None
-        self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
-            self.device_buffer
-        )
-        self._staged = self._views(self.host_buffer.numpy())
-
-    def _views(self, buffer: Any) -> tuple[Any, ...]:
-        """The five fields as views of ``buffer`` (the device tensor or the host numpy array)."""
-        a, b, c, d = self._bounds
-        return (
-            buffer[:a],
-            buffer[a:b].reshape(3, a),
-            buffer[b:c],
-            buffer[c:d],
-            buffer[d:].reshape(self.rows, self.width),
-        )
-
-    def load(self, batch: ForwardBatch) -> None:
-        """Stage one verify batch and copy it to the device buffer without a host sync (host fields through numpy
-        views of the pinned buffer in one asynchronous transfer, device fields device to device after it)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous transfer has read the staging buffer
-        token_ids, positions, context_lens, state_slots, page_tables = self._staged
-        context_lens[...] = batch.context_lens
-        width = batch.page_tables.shape[1]
-        on_device = []
-        fields = (
-            (batch.token_ids, token_ids, self.token_ids),
-            (batch.positions, positions, self.positions),
-            (batch.state_slots, state_slots, self.state_slots),
-            (batch.page_tables, page_tables[:, :width], self.page_tables[:, :width]),
-        )
-        for source, host_view, device_view in fields:
-            if source.device.type == "cpu":
-                host_view[...] = source.numpy()
-            else:
-                on_device.append((device_view, source))
-        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        for device_view, source in on_device:
-            device_view.copy_(source)
 
 
 class StateBuffers:
@@ -115,20 +61,6 @@ class StateBuffers:
         return CapturedStates(conv=[t[:tokens] for t in self.conv], ssm=[t[:tokens] for t in self.ssm])
 
 
-@attrs.define
-class CapturedVerify:
-    """One captured verify forward: its graphs (layer segments, launched in order), static inputs and outputs."""
-
-    graphs: list[torch.cuda.CUDAGraph]
-    inputs: VerifyInputs
-    hidden: torch.Tensor
-    logits: torch.Tensor
-
-    def replay(self) -> None:
-        for graph in self.graphs:
-            graph.replay()
-
-
 class VerifyGraphRunner(DecodeGraphRunner):
     """Runs uniform verify batches of a CUDA-resident ``Qwen35Model`` whose input projections are fused; shares the
     decode path's norms, feed-forward blocks and epilogue."""
@@ -145,8 +77,8 @@ class VerifyGraphRunner(DecodeGraphRunner):
     ) -> None:
         super().__init__(model, fused, use_graphs=use_graphs, max_batch=max_batch, graph_segments=graph_segments)
         self.max_tokens_per_row = max_tokens_per_row
-        self._verify_graphs: dict[tuple, CapturedVerify] = {}
-        self._verify_inputs: dict[tuple[int, int, int], VerifyInputs] = {}
+        self._verify_graphs: dict[tuple, CapturedStep] = {}
+        self._verify_inputs: dict[tuple[int, int, int], DecodeInputs] = {}
         self._states: StateBuffers | None = None
         # the private memory pool of the verify graphs (never the decode graphs'): live exactly while
         # ``_verify_graphs`` holds a graph, since the allocator forgets a pool once its last graph is destroyed and
@@ -179,7 +111,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
         else:
             inputs = self._verify_inputs.get((rows, q, width))
             if inputs is None:
-                inputs = self._verify_inputs[(rows, q, width)] = VerifyInputs(rows, q, width, self.model.device)
+                inputs = self._verify_inputs[(rows, q, width)] = DecodeInputs(rows, width, self.model.device, q=q)
             inputs.load(batch)
             hidden, logits = self.verify_step(inputs, kv, state, buffers)
             if self.use_graphs:
@@ -188,7 +120,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
             logits=logits, hidden=hidden if batch.return_hidden else None, states=buffers.captured(rows * q)
         )
 
-    def captured_verify(self, rows: int, q: int) -> list[CapturedVerify]:
+    def captured_verify(self, rows: int, q: int) -> list[CapturedStep]:
         """The verify graphs captured so far for ``rows`` rows of ``q`` tokens (any page-table width or cache)."""
         return [step for key, step in self._verify_graphs.items() if key[:2] == (rows, q)]
 
@@ -202,13 +134,13 @@ class VerifyGraphRunner(DecodeGraphRunner):
 
     def _capture_verify(
         self, rows: int, q: int, width: int, kv: KVCache, state: StateCache, buffers: StateBuffers
-    ) -> CapturedVerify:
+    ) -> CapturedStep:
         """Record one verify forward over fresh static inputs (capturing executes nothing, so no cache is touched).
 
         The segments share the runner's verify pool, captured in launch order, so each one's live outputs (the carry)
         stay valid for the next; a capture that fails leaves no graph behind and the pool as it was.
         """
-        inputs = VerifyInputs(rows, q, width, self.model.device)
+        inputs = DecodeInputs(rows, width, self.model.device, q=q)
         torch.cuda.synchronize(self.model.device)  # the eager warm-up forward has finished
         if not self._verify_graphs:  # no graph keeps the previous pool alive
             self._verify_pool = torch.cuda.graph_pool_handle()
@@ -224,17 +156,17 @@ class VerifyGraphRunner(DecodeGraphRunner):
                 if index == len(bounds) - 1:
                     hidden, logits = self._epilogue(carry)
             graphs.append(graph)
-        return CapturedVerify(graphs=graphs, inputs=inputs, hidden=hidden, logits=logits)
+        return CapturedStep(graphs=graphs, inputs=inputs, hidden=hidden, logits=logits)
 
     def verify_step(
-        self, inputs: VerifyInputs, kv: KVCache, state: StateCache, buffers: StateBuffers
+        self, inputs: DecodeInputs, kv: KVCache, state: StateCache, buffers: StateBuffers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One verify traversal over the static buffers: final-normed hidden ``[T, H]`` and fp32 logits ``[T, V]``."""
         carry = self._verify_prologue(inputs, kv)
         carry = self._verify_layers(carry, inputs, kv, state, buffers, 0, len(self.model.layers))
         return self._epilogue(carry)
 
-    def _verify_prologue(self, inputs: VerifyInputs, kv: KVCache) -> StepCarry:
+    def _verify_prologue(self, inputs: DecodeInputs, kv: KVCache) -> StepCarry:
         """Embeddings and each new token's KV slot; ``total_lens`` carries the rows' cached lengths."""
         page_size = kv.page_size
         offsets = torch.arange(inputs.q, device=inputs.context_lens.device)
@@ -248,7 +180,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
         )
 
     def _verify_layers(
-        self, carry: StepCarry, inputs: VerifyInputs, kv: KVCache, state: StateCache, buffers: StateBuffers,
+        self, carry: StepCarry, inputs: DecodeInputs, kv: KVCache, state: StateCache, buffers: StateBuffers,
         start: int, stop: int,
     ) -> StepCarry:
         """Layers ``[start, stop)`` of the trunk over the verify tokens."""
@@ -281,7 +213,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
         weights: GatedDeltaNetWeights,
         fused: FusedProjections,
         normed: torch.Tensor,
-        inputs: VerifyInputs,
+        inputs: DecodeInputs,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
         conv_states: torch.Tensor,
@@ -305,7 +237,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
         weights: FullAttentionWeights,
         fused: FusedProjections,
         normed: torch.Tensor,
-        inputs: VerifyInputs,
+        inputs: DecodeInputs,
         slot_mapping: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
