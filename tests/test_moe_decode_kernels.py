@@ -37,8 +37,9 @@ from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
-# (hidden, inner, shared inner, experts, top_k): the 35B-A3B shape, then sizes that are not powers of two
-SHAPES = [(2048, 512, 512, 256, 8), (1000, 200, 136, 24, 6)] if CUDA else [(40, 12, 20, 16, 4)]
+# (hidden, inner, shared inner, experts, top_k): the 35B-A3B shape, sizes that are not powers of two, the tiny
+# test model of tests/test_qwen35_model.py
+SHAPES = [(2048, 512, 512, 256, 8), (1000, 200, 136, 24, 6), (64, 32, 32, 8, 2)] if CUDA else [(40, 12, 20, 16, 4)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -237,9 +237,19 @@ def test_kernel_greedy_takes_the_first_of_equal_maxima():
     assert sample_rows(logits, zeros, zeros, zeros + 1, zeros, zeros, chunk=512).tolist() == [40, 40]
 
 
+@pytest.fixture
+def fresh_row_sampler():
+    """``sample_tokens`` resolves its row sampler once per process: resolve it again inside the test."""
+    from ninfer.core.engine.sampler import _row_sampler
+
+    _row_sampler.cache_clear()
+    yield
+    _row_sampler.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (CUDA and KERNEL), reason="needs Triton on a CUDA device")
-def test_sample_tokens_on_cuda_uses_the_kernel_and_reproduces_the_cpu_tokens(monkeypatch):
+def test_sample_tokens_on_cuda_uses_the_kernel_and_reproduces_the_cpu_tokens(monkeypatch, fresh_row_sampler):
     import ninfer.kernels.triton.sampling as kernel
 
     calls = []
