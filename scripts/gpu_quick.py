@@ -1,5 +1,5 @@
-"""One short H200 pass over the headline numbers: batch-1 and 8-row decode, TTFT at 8192 (generic and fused prefill
-traversal) and the fused prefill's top kernels.
+"""One short H200 pass over the headline numbers: batch-1 and 8-row decode, TTFT at 8192 (the runtime's default
+CUDA traversal, the Triton one) and the prefill's top kernels.
 
 Usage (CUDA machine): ``python scripts/gpu_quick.py OUT qwen3.6-27b qwen3.6-35b-a3b``. Random bf16 weights, no
 transformers model; same protocol as ``scripts/gpu_host_overhead.py`` (256 tokens of context, 32 timed steps).
@@ -47,9 +47,6 @@ def run(name: str, out: Path) -> dict:
     long_prompt = torch.randint(0, config.vocab_size, (8192,), generator=torch.Generator().manual_seed(1))
     result["ttft_8192_ms"] = bench_ninfer_prefill(runtime, long_prompt, clock, 2)
     print(name, "TTFT 8192 ms", round(result["ttft_8192_ms"], 1), flush=True)
-    runtime.enable_fused_prefill()  # opt-in until measured: both traversals, same weights, same process
-    result["ttft_8192_fused_ms"] = bench_ninfer_prefill(runtime, long_prompt, clock, 2)
-    print(name, "TTFT 8192 ms, fused prefill", round(result["ttft_8192_fused_ms"], 1), flush=True)
     result["prefill_profile"] = profile_prefill(runtime, long_prompt, top=14)
     for row in result["prefill_profile"]:
         print(f"  {row['total_us'] / 1e3:8.1f} ms  x{row['calls']:<6} {row['kernel'][:90]}", flush=True)
@@ -64,12 +61,11 @@ def main(out_dir: str, *names: str) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = [run(name, out) for name in names]
-    print("| model | b1 tok/s (of roofline) | graphs b2b of roofline | 8 rows tok/s (of roofline) | TTFT 8192 ms "
-          "| fused prefill TTFT ms |")
+    print("| model | b1 tok/s (of roofline) | graphs b2b of roofline | 8 rows tok/s (of roofline) | TTFT 8192 ms |")
     for r in results:
         d1, d8 = r["decode_1"], r["decode_8"]
         print(f"| {r['model']} | {d1['tok_s']:.1f} ({d1['of_roofline']:.1%}) | {d1['replay_of_roofline'] or 0:.1%} | "
-              f"{d8['tok_s']:.1f} ({d8['of_roofline']:.1%}) | {r['ttft_8192_ms']:.0f} | {r['ttft_8192_fused_ms']:.0f} |")
+              f"{d8['tok_s']:.1f} ({d8['of_roofline']:.1%}) | {r['ttft_8192_ms']:.0f} |")
     return 0
 
 

@@ -13,8 +13,8 @@ Logs and JSON go to OUT_DIR:
     caches), next to the same for one decode step through the decode runner (the bf16 noise of the fused path);
   - ``verify_runner``: ``ninfer.bench_spec.spec_bench`` with the CUDA verify runner, ``--rows`` rows;
   - ``lm_head_draft``: the same with the reduced proposal head, batch 1;
-  - ``generic_verify``: the verify forward on the generic eager path (the runtime's verify runner detached), batch 1,
-    i.e. the cost before the verify runner existed;
+  - ``generic_verify``: the verify forward without the verify runner (detached from the runtime), batch 1: through
+    the runtime's multi-token path, the Triton traversal that prefill takes;
   - ``round_profile``: device time per kernel of one batch-1 round (verify kernels launched eagerly).
 """
 
@@ -68,7 +68,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def verify_vs_generic(runtime: Any, q: int, context: int = 77) -> dict[str, dict[str, float]]:
     """Max relative errors of one verify forward through the verify runner (``verify``) and of one decode step
-    through the decode runner (``decode``, q = 1) against the generic eager path, from the same prefilled caches."""
+    through the decode runner (``decode``, q = 1) against the generic eager path (the reference traversal), from the
+    same prefilled caches."""
     rows = Rows(runtime, 2, context + q)
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -87,7 +88,8 @@ def verify_vs_generic(runtime: Any, q: int, context: int = 77) -> dict[str, dict
 
 
 def _fused_vs_generic(runtime: Any, batch: ForwardBatch, kv: KVCache, state: StateCache) -> dict[str, float]:
-    """One forward on the runtime's fused path (copies of the caches) against its generic path (the caches)."""
+    """One forward on the runtime's fused path (copies of the caches) against the reference traversal (the caches),
+    which the runtime takes with both runners detached."""
     ours_kv = KVCache(kv.page_size, [t.clone() for t in kv.key], [t.clone() for t in kv.value])
     ours_state = StateCache([t.clone() for t in state.conv], [t.clone() for t in state.ssm])
     fused = runtime.verifier if batch.capture_states else runtime.decoder

@@ -1,14 +1,17 @@
-"""The fused CUDA prefill path (``Qwen35Model.run_fused``) against the reference traversal of ``Qwen35Model.run``.
+"""The Triton traversal (``Qwen35Model.run(fused=True)``, the CUDA default for every batch the decode and verify
+runners do not take) against the reference traversal (``fused=False``, the CPU path) of the same layer loop.
 
-Pure torch (every machine): the layout's row spans (slices instead of gathers) and the stacked projections
-(``stacked_rows``: one GEMM over a fused layer's row blocks, nothing copied).
+Pure torch (every machine): the layout's row spans (slices instead of gathers), the stacked projections
+(``stacked_rows``: one GEMM over a fused layer's row blocks, nothing copied) and a runtime without the decode runner
+keeping the reference traversal.
 
 Triton (``gpu``; on CUDA, or in Triton's CPU interpreter with ``TRITON_INTERPRET=1``): the row kernels over a whole
 prefill's rows (add + RMSNorm, gated RMSNorm, SiLU·mul, sigmoid output gate, q/k norm + MRoPE + KV write) against
 their torch twins, and whole traversals, dense and MoE, one and three rows, with and without a cached prefix, with
 captured states and layer outputs, compared output by output and cache by cache with the reference traversal on the
-same device. On CUDA the model has the real head dims (256 attention, 128 linear) and runs in fp32 (the pieces
-must agree to rounding) and bf16 (dense); the interpreter runs the tiny presets in fp32.
+same device; a runtime with the decode runner prefilling through the Triton traversal (CUDA graphs on and off). On
+CUDA the model has the real head dims (256 attention, 128 linear) and runs in fp32 (the pieces must agree to
+rounding) and bf16 (dense); the interpreter runs the tiny presets in fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ninfer.plugins.qwen3_5.fused import fuse_layer, fuse_model
 from ninfer.plugins.qwen3_5.layers import BatchLayout, stacked_linear, stacked_rows
 from ninfer.plugins.qwen3_5.model import Qwen35Model, WeightLoader
 from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.runtime import runtime_spec
+from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime, runtime_spec
 from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
 
 CUDA = torch.cuda.is_available()
@@ -341,28 +344,67 @@ def test_fused_prefill_matches_reference_in_bf16(scenario):
     _compare(_model("tiny", torch.bfloat16), lengths, prefix, dtype=torch.bfloat16)
 
 
-@pytest.mark.gpu
-@needs_cuda_triton
-@pytest.mark.usefixtures("seeded")
-def test_the_runtime_takes_the_fused_prefill_only_once_enabled(monkeypatch):
-    config = preset_config("tiny")
-    tensors = random_text_weights(config, device="cuda", dtype=torch.bfloat16, seed=3)
-    runtime = build_runtime(InMemorySource("tiny", config, tensors), dtype=torch.bfloat16, device="cuda")
-    taken = []
-    real = Qwen35Model.run_fused
-    monkeypatch.setattr(Qwen35Model, "run_fused", lambda self, *args: taken.append(1) or real(self, *args))
+# ---------------------------------------------------------------------------------------------- the runtime's choice
+
+
+def _record_traversals(monkeypatch) -> list[bool]:
+    """``fused`` of every ``Qwen35Model.run`` call from now on."""
+    taken: list[bool] = []
+    real = Qwen35Model.run
+
+    def recording(self, *args, fused: bool = False, **kwargs):
+        taken.append(fused)
+        return real(self, *args, fused=fused, **kwargs)
+
+    monkeypatch.setattr(Qwen35Model, "run", recording)
+    return taken
+
+
+def _prefill(runtime: Qwen35Runtime, length: int = 7) -> torch.Tensor:
+    """Last-token logits of one fresh prompt of ``length`` tokens (fixed ids)."""
     kv = KVCache.allocate(runtime.spec, 4, PAGE_SIZE)
     state = StateCache.allocate(runtime.spec, 1)
+    batch = ForwardBatch(
+        token_ids=torch.arange(length) * 3 % runtime.config.vocab_size, positions=torch.arange(length).expand(3, -1),
+        query_lens=[length], context_lens=[0], page_tables=torch.arange(4, dtype=torch.int32)[None],
+        state_slots=torch.tensor([0]),
+    )
+    return runtime.forward(batch, kv, state).logits
 
-    def prefill(length: int) -> None:
-        batch = ForwardBatch(
-            token_ids=torch.arange(length), positions=torch.arange(length).expand(3, -1), query_lens=[length],
-            context_lens=[0], page_tables=torch.arange(4, dtype=torch.int32)[None], state_slots=torch.tensor([0]),
+
+def test_a_runtime_without_the_decode_runner_keeps_the_reference_traversal(monkeypatch):
+    config = preset_config("tiny")
+    tensors = random_text_weights(config, device="cpu", dtype=torch.float32, seed=3)
+    runtime = build_runtime(InMemorySource("tiny", config, tensors), dtype=torch.float32, device="cpu")
+    assert runtime.decoder is None and runtime.verifier is None
+    taken = _record_traversals(monkeypatch)
+    _prefill(runtime)
+    assert taken == [False]
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.usefixtures("seeded")
+def test_a_runtime_with_the_decode_runner_prefills_through_the_triton_traversal(monkeypatch, cuda_graphs):
+    """No opt-in: the load path's decode runner brings the Triton traversal and the verify runner, graphs or not."""
+    from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # imported here: CPU installs lack triton
+
+    config = _config("tiny")
+    if CUDA:  # the load path (``accelerate``) builds the decode runner
+        tensors = random_text_weights(config, device="cuda", dtype=torch.float32, seed=3)
+        runtime = build_runtime(
+            InMemorySource("tiny", config, tensors), dtype=torch.float32, device="cuda", cuda_graphs=cuda_graphs
         )
-        runtime.forward(batch, kv, state)
-
-    prefill(7)
-    assert taken == []  # opt-in until measured on the H200
-    runtime.enable_fused_prefill()
-    prefill(7)
-    assert taken == [1]
+    else:  # Triton's interpreter: an eager decode runner over the fused CPU model
+        model, fused = fuse_model(_model("tiny", torch.float32, fuse=False))
+        runtime = Qwen35Runtime(model, None, DecodeGraphRunner(model, fused, use_graphs=False))
+    assert runtime.decoder is not None and runtime.verifier is not None
+    assert runtime.decoder.use_graphs == runtime.verifier.use_graphs == (CUDA and cuda_graphs)
+    reference = Qwen35Runtime(runtime.model, None, None)
+    taken = _record_traversals(monkeypatch)
+    got = _prefill(runtime)
+    assert taken == [True]
+    expected = _prefill(reference)
+    assert taken == [True, False]
+    assert rel_err(got, expected) < _tolerance(torch.float32)

@@ -1,8 +1,9 @@
 """The CUDA verify path (Triton kernels, CUDA graphs per (rows, q)) against the generic eager path on the same weights.
 
 The kernels are checked against their pure-torch twins, the whole verify forward (logits, hidden states, the state
-after every token, the caches it leaves) against the reference runtime. Runs on CUDA (graphs on and off); without a
-GPU it runs the eager kernels in Triton's CPU interpreter when ``TRITON_INTERPRET=1``, otherwise it is skipped.
+after every token, the caches it leaves) against the reference runtime, and a runtime with the decode runner sends
+uniform verify batches to the verify runner by default. Runs on CUDA (graphs on and off); without a GPU it runs the
+eager kernels in Triton's CPU interpreter when ``TRITON_INTERPRET=1``, otherwise it is skipped.
 """
 
 from __future__ import annotations
@@ -325,17 +326,29 @@ def test_verify_runner_takes_only_uniform_verify_batches():
     assert not runner.supports(batch([3, 3], capture_layers=(1,)))
 
 
-@pytest.mark.skipif(not CUDA, reason="the verify runner needs the CUDA decode path")
-def test_runtime_sends_uniform_verify_batches_to_the_verify_runner():
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_runtime_sends_uniform_verify_batches_to_the_verify_runner(cuda_graphs, monkeypatch):
+    """By default (no opt-in) wherever the runtime has the decode runner; eager under ``--no-cuda-graph``."""
     config = preset_config("tiny")
-    tensors = random_text_weights(config, device=DEVICE, dtype=DTYPE, seed=5)
-    runtime = build_runtime(InMemorySource("tiny", config, tensors), dtype=DTYPE, device=DEVICE)
-    assert runtime.verifier is None  # opt-in until validated on the H200
-    runtime.enable_verify_runner()
+    if CUDA:  # the load path (``accelerate``) builds the decode runner
+        tensors = random_text_weights(config, device=DEVICE, dtype=DTYPE, seed=5)
+        runtime = build_runtime(
+            InMemorySource("tiny", config, tensors), dtype=DTYPE, device=DEVICE, cuda_graphs=cuda_graphs
+        )
+    else:  # Triton's interpreter: an eager decode runner over the fused CPU model
+        _, model, fused = _runtimes("tiny")
+        runtime = Qwen35Runtime(model, None, DecodeGraphRunner(model, fused, use_graphs=False))
+    verifier = runtime.verifier
+    assert verifier is not None and verifier.use_graphs == (CUDA and cuda_graphs)
+    taken = []
+    real_forward = verifier.forward
+    monkeypatch.setattr(verifier, "forward", lambda *args: taken.append(args[0].query_lens) or real_forward(*args))
     caches = Caches(runtime, 2)
     prompts = [torch.randint(0, config["vocab_size"], (n,)).tolist() for n in (9, 4)]
     runtime.forward(caches.batch([0, 1], prompts, verify=False), caches.kv, caches.state)
     for _ in range(2):  # eager warm-up and capture, then a replay
         output = runtime.forward(caches.batch([0, 1], [[3, 4, 5], [6, 7, 8]], verify=True), caches.kv, caches.state)
         assert output.logits.shape == (6, config["vocab_size"]) and len(output.states.ssm) == 3
-    assert runtime.verifier.captured_verify(2, 3)
+    runtime.forward(caches.batch([0, 1], [[3, 4], [6, 7, 8]], verify=True), caches.kv, caches.state)  # not uniform
+    assert taken == [[3, 3], [3, 3]]
+    assert bool(verifier.captured_verify(2, 3)) == (CUDA and cuda_graphs)

@@ -3,6 +3,10 @@
 1. ``route_experts``: the router logits (and the shared expert's gate logit) as a GEMV over programs of
    (router rows, slice of the hidden dim); the last program to finish (an atomic counter it resets) adds the slices,
    routes every row (softmax in fp32, top-k, renormalised) and lists the distinct selected experts, ascending.
+   ``route_experts_add_norm`` / ``grouped_moe_decode_add_norm``: the router's programs also do the block's residual
+   add and RMSNorm (``norm_gemv``'s helpers: each program norms the whole rows; the programs of the first block of
+   router rows, one per hidden slice, write their slice of the new residual stream and of the normed rows the next
+   two launches read), so no add+RMSNorm launch precedes it.
 2. ``grouped_gate_up``: one program per (listed expert, block of inner rows), plus the shared expert's programs: it
    streams the expert's gate and up rows once, multiplies them with every row that selected the expert and writes
    ``silu(gate) * up`` for each such (row, slot) pair.
@@ -26,9 +30,17 @@ import attrs
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ninfer.kernels.triton import next_power_of_2
+from ninfer.kernels.triton.norm_gemv import (
+    accumulate,
+    after_predecessor,
+    dot_normed_rows,
+    inverse_rms,
+    launch_options,
+    pdl_supported,
+    token_block,
+)
 
 MAX_TOKENS = 64  # rows one call takes: the routing of all rows runs in one program
 
@@ -58,8 +70,7 @@ def default_tiles(tokens: int, device: torch.device | str = "cpu") -> MoETiles:
     One row (FMA reductions): a router GEMV in 264 one-warp programs, gate/up programs of 4+4 full-width rows,
     down programs of 16 rows. More rows (``tl.dot``): wider tiles, software-pipelined. PDL on sm_90 and newer.
     """
-    device = torch.device(device)
-    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    pdl = pdl_supported(device)
     if tokens == 1:
         return MoETiles(
             router_rows=8, router_split=8, router_block_k=256, router_warps=1,
@@ -90,28 +101,6 @@ class Routing:
 
 
 @triton.jit
-def _after_predecessor(PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the previous kernel's writes are visible, let the next start."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-def _launch_options(tiles: MoETiles) -> dict:
-    return {"launch_pdl": True} if tiles.pdl else {}
-
-
-@triton.jit
-def _accumulate(acc, x, w, TOKENS: tl.constexpr):
-    """``acc [TOKENS, ROWS] += x [TOKENS, K] @ w [ROWS, K]^T`` (FMA reductions for one token, else ``tl.dot``)."""
-    if TOKENS == 1:
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    else:
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _dot_rows(
     x_rows, token_valid, w_rows, row_valid, start, stop,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -123,7 +112,7 @@ def _dot_rows(
         col_valid = cols < stop
         w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
         x = tl.load(x_rows[:, None] + cols[None, :], mask=token_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = _accumulate(acc, x, w, TOKENS)
+        acc = accumulate(acc, x, w, TOKENS)
     return acc
 
 
@@ -142,8 +131,8 @@ def _dot_row_pairs(
         w_a = tl.load(a_rows[:, None] + cols[None, :], mask=w_mask, other=0.0)
         w_b = tl.load(b_rows[:, None] + cols[None, :], mask=w_mask, other=0.0)
         x = tl.load(x_rows[:, None] + cols[None, :], mask=token_valid[:, None] & col_valid[None, :], other=0.0)
-        acc_a = _accumulate(acc_a, x, w_a, TOKENS)
-        acc_b = _accumulate(acc_b, x, w_b, TOKENS)
+        acc_a = accumulate(acc_a, x, w_a, TOKENS)
+        acc_b = accumulate(acc_b, x, w_b, TOKENS)
     return acc_a, acc_b
 
 
@@ -220,13 +209,14 @@ def _finish_routing(
 
 @triton.jit
 def _router_kernel(
-    x_ptr, x_stride, router_ptr, gate_ptr, partials_ptr, logits_ptr, weights_ptr, experts_ptr, active_ptr,
+    x_ptr, x_stride, pending_ptr, pending_stride, norm_weight_ptr, hidden_out_ptr, normed_out_ptr, eps,
+    router_ptr, gate_ptr, partials_ptr, logits_ptr, weights_ptr, experts_ptr, active_ptr,
     count_ptr, counter_ptr, tokens, num_experts, hidden, slice_width,
     TOKENS: tl.constexpr, ROUTE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PDL: tl.constexpr,
 ):
-    _after_predecessor(PDL)
+    after_predecessor(PDL)
     stride = num_experts + 1
     part = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -236,7 +226,17 @@ def _router_kernel(
     token_valid = t < tokens
     start = part * slice_width
     stop = tl.minimum(start + slice_width, hidden)
-    partial = _dot_rows(x_ptr + t * x_stride, token_valid, w_rows, row_valid, start, stop, TOKENS, ROWS, BLOCK_K)
+    x_rows = x_ptr + t * x_stride
+    if NORM:  # x is the residual stream: multiply rms_norm(x + pending); the first row block writes its slice
+        pending_rows = pending_ptr + t * pending_stride
+        rstd = inverse_rms(x_rows, pending_rows, token_valid, hidden, eps, HAS_PENDING, TOKENS, BLOCK_K)
+        partial = dot_normed_rows(
+            tl.zeros((TOKENS, ROWS), tl.float32), x_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows,
+            row_valid, start, stop, hidden_out_ptr + t * hidden, normed_out_ptr + t * hidden,
+            tl.program_id(0) == 0, HAS_PENDING, True, TOKENS, BLOCK_K,
+        )
+    else:
+        partial = _dot_rows(x_rows, token_valid, w_rows, row_valid, start, stop, TOKENS, ROWS, BLOCK_K)
     offsets = (part * tokens + t)[:, None] * stride + rows[None, :]
     tl.store(partials_ptr + offsets, partial, mask=token_valid[:, None] & row_valid[None, :])
     tl.debug_barrier()  # every thread's partial sums are written before the release below
@@ -247,15 +247,6 @@ def _router_kernel(
             x_ptr.dtype.element_ty, ROUTE_TOKENS, SPLIT, TOP_K, TOP_K_PAD, BLOCK_E, HAS_GATE,
         )
         tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
-
-
-def _token_block(tokens: int, *rows_per_program: int) -> int:
-    """Token rows of a program's tile: 1 (FMA reductions) or a ``tl.dot`` tile of at least 16 (then >= 16 rows)."""
-    if tokens == 1:
-        return 1
-    if min(rows_per_program) < 16:
-        raise ValueError(f"tiles for {tokens} rows (tl.dot) need >= 16 weight rows per program; got {rows_per_program}")
-    return max(16, next_power_of_2(tokens))
 
 
 def _workspace(workspace: torch.Tensor | None, hidden: int, device: torch.device) -> torch.Tensor:
@@ -279,6 +270,52 @@ def route_experts(
 
     ``workspace``: see ``moe_workspace`` (a fresh one if None).
     """
+    routing, _ = _route(x, None, None, 0.0, router, top_k, shared_expert_gate, workspace, tiles)
+    return routing
+
+
+def route_experts_add_norm(
+    hidden: torch.Tensor,
+    pending: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router: torch.Tensor,
+    top_k: int,
+    *,
+    shared_expert_gate: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    tiles: MoETiles | None = None,
+) -> tuple[Routing, torch.Tensor, torch.Tensor]:
+    """``route_experts`` of ``normed = rms_norm(hidden + pending) * (1 + norm_weight)`` with the residual add and
+    the norm done by the router's own programs (no separate add+RMSNorm launch).
+
+    Returns ``(routing, new hidden, normed)``: ``hidden + pending`` (``hidden`` itself without ``pending``) and the
+    normed rows, both rounded to ``hidden.dtype`` as ``add_rms_norm`` rounds them, for the expert kernels.
+    """
+    tokens, width = hidden.shape
+    if pending is not None and (pending.shape != hidden.shape or pending.stride(1) != 1):
+        raise ValueError(f"pending must be [{tokens}, {width}] with contiguous rows; got {tuple(pending.shape)}")
+    if norm_weight.shape != (width,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
+    routing, (new_hidden, normed) = _route(
+        hidden, pending, norm_weight, eps, router, top_k, shared_expert_gate, workspace, tiles
+    )
+    return routing, new_hidden, normed
+
+
+def _route(
+    x: torch.Tensor,
+    pending: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    router: torch.Tensor,
+    top_k: int,
+    shared_expert_gate: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    tiles: MoETiles | None,
+) -> tuple[Routing, tuple[torch.Tensor, torch.Tensor]]:
+    """Launch the router over ``x``, or with ``norm_weight`` over the add+norm of ``x`` (the residual stream) and
+    ``pending``; returns the routing and ``(new hidden, normed)`` (``(x, x)`` without the norm)."""
     tokens, hidden = x.shape
     num_experts = router.shape[0]
     if not 1 <= tokens <= MAX_TOKENS or x.stride(1) != 1:
@@ -300,20 +337,26 @@ def route_experts(
         active=torch.empty(min(tokens * top_k, num_experts), dtype=torch.int32, device=device),
         count=torch.empty(1, dtype=torch.int32, device=device),
     )
+    norm = norm_weight is not None
+    has_pending = norm and pending is not None
+    new_hidden = torch.empty_like(x) if has_pending else x
+    normed = torch.empty_like(x) if norm else x
     split = tiles.router_split
     partials = torch.empty((split, tokens, num_experts + 1), dtype=torch.float32, device=device)
     block_k = min(tiles.router_block_k, next_power_of_2(hidden))
     slice_width = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
     _router_kernel[(triton.cdiv(num_experts + has_gate, tiles.router_rows), split)](
-        x, x.stride(0), router, shared_expert_gate if has_gate else router, partials, routing.logits,
+        x, x.stride(0), pending if has_pending else x, pending.stride(0) if has_pending else 0,
+        norm_weight if norm else x, new_hidden, normed, eps,
+        router, shared_expert_gate if has_gate else router, partials, routing.logits,
         routing.weights, routing.experts, routing.active, routing.count, counters, tokens, num_experts, hidden,
         slice_width,
-        TOKENS=_token_block(tokens, tiles.router_rows), ROUTE_TOKENS=next_power_of_2(tokens),
+        TOKENS=token_block(tokens, tiles.router_rows), ROUTE_TOKENS=next_power_of_2(tokens),
         ROWS=tiles.router_rows, BLOCK_K=block_k, SPLIT=split, TOP_K=top_k, TOP_K_PAD=next_power_of_2(top_k),
-        BLOCK_E=next_power_of_2(num_experts), HAS_GATE=has_gate, PDL=tiles.pdl, num_warps=tiles.router_warps,
-        **_launch_options(tiles),
+        BLOCK_E=next_power_of_2(num_experts), HAS_GATE=has_gate, NORM=norm, HAS_PENDING=has_pending, PDL=tiles.pdl,
+        num_warps=tiles.router_warps, **launch_options(tiles.pdl),
     )
-    return routing
+    return routing, (new_hidden, normed)
 
 
 @triton.jit
@@ -323,7 +366,7 @@ def _grouped_gate_up_kernel(
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr, MAX_GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    _after_predecessor(PDL)
+    after_predecessor(PDL)
     group = tl.program_id(0)
     t = tl.arange(0, TOKENS)
     # a listed expert, or the shared one (selects rather than branches keep the pointers' alignment known)
@@ -380,10 +423,10 @@ def grouped_gate_up(
     _grouped_gate_up_kernel[(max_groups + has_shared, triton.cdiv(max(inner, shared_inner), tiles.gate_up_rows))](
         x, x.stride(0), gate_up, shared_gate_up if has_shared else gate_up, act, shared_act if has_shared else act,
         routing.experts, routing.weights, routing.active, routing.count, tokens, hidden, inner, shared_inner,
-        TOKENS=_token_block(tokens, tiles.gate_up_rows), ROWS=tiles.gate_up_rows,
+        TOKENS=token_block(tokens, tiles.gate_up_rows), ROWS=tiles.gate_up_rows,
         BLOCK_K=min(tiles.gate_up_block_k, next_power_of_2(hidden)), TOP_K=top_k, TOP_K_PAD=next_power_of_2(top_k),
         MAX_GROUPS=max_groups, PDL=tiles.pdl, num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages,
-        **_launch_options(tiles),
+        **launch_options(tiles.pdl),
     )
     return act, shared_act
 
@@ -396,7 +439,7 @@ def _grouped_down_kernel(
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, MAX_GROUPS: tl.constexpr, HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _after_predecessor(PDL)
+    after_predecessor(PDL)
     block = tl.program_id(0)
     group = tl.program_id(1)
     rows = block * ROWS + tl.arange(0, ROWS)
@@ -467,10 +510,10 @@ def grouped_down(
     out = torch.empty((tokens, hidden), dtype=act.dtype, device=act.device)
     blocks = triton.cdiv(hidden, tiles.down_rows)
     common = dict(
-        TOKENS=_token_block(tokens, tiles.down_rows), ROWS=tiles.down_rows,
+        TOKENS=token_block(tokens, tiles.down_rows), ROWS=tiles.down_rows,
         BLOCK_K=min(tiles.down_block_k, next_power_of_2(max(inner, shared_inner))), TOP_K=top_k,
         TOP_K_PAD=next_power_of_2(top_k), MAX_GROUPS=max_groups, HAS_SHARED=has_shared, PDL=tiles.pdl,
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, **_launch_options(tiles),
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, **launch_options(tiles.pdl),
     )
     shared_args = (shared_act, shared_down) if has_shared else (act, down)
     counters = _workspace(workspace, hidden, act.device)[1:]
@@ -502,13 +545,58 @@ def grouped_moe_decode(
     (row views of one fused tensor are fine for ``router``, ``shared_gate_up`` and ``shared_expert_gate``).
     ``workspace``: zeroed counters from ``moe_workspace`` (one per stream, reused by every call; fresh if None).
     """
-    has_shared = shared_gate_up is not None
-    if has_shared != (shared_down is not None) or has_shared != (shared_expert_gate is not None):
-        raise ValueError("the shared expert needs shared_gate_up, shared_down and shared_expert_gate together")
+    _check_shared(shared_gate_up, shared_down, shared_expert_gate)
     workspace = _workspace(workspace, x.shape[1], x.device)
     routing = route_experts(
         x, router, top_k, shared_expert_gate=shared_expert_gate, workspace=workspace, tiles=tiles
     )
+    return _experts(x, routing, gate_up, down, shared_gate_up, shared_down, workspace, tiles)
+
+
+def grouped_moe_decode_add_norm(
+    hidden: torch.Tensor,
+    pending: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    *,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_expert_gate: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    tiles: MoETiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_moe_decode`` of ``rms_norm(hidden + pending) * (1 + norm_weight)``, the residual add and the norm
+    done by the router launch (``route_experts_add_norm``): still three launches. Returns ``(block output, new
+    hidden)``."""
+    _check_shared(shared_gate_up, shared_down, shared_expert_gate)
+    workspace = _workspace(workspace, hidden.shape[1], hidden.device)
+    routing, new_hidden, normed = route_experts_add_norm(
+        hidden, pending, norm_weight, eps, router, top_k, shared_expert_gate=shared_expert_gate,
+        workspace=workspace, tiles=tiles,
+    )
+    return _experts(normed, routing, gate_up, down, shared_gate_up, shared_down, workspace, tiles), new_hidden
+
+
+def _check_shared(*shared: torch.Tensor | None) -> None:
+    if len({tensor is None for tensor in shared}) > 1:
+        raise ValueError("the shared expert needs shared_gate_up, shared_down and shared_expert_gate together")
+
+
+def _experts(
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    workspace: torch.Tensor,
+    tiles: MoETiles | None,
+) -> torch.Tensor:
+    """The grouped gate/up and down launches of a routed block."""
     act, shared_act = grouped_gate_up(x, gate_up, routing, shared_gate_up=shared_gate_up, tiles=tiles)
     return grouped_down(
         act, down, routing, shared_act=shared_act, shared_down=shared_down, workspace=workspace, tiles=tiles

@@ -8,6 +8,11 @@ the step is captured right after it and replayed from then on. With graphs disab
 The captured step is split into ``graph_segments`` graphs of consecutive layers, launched one after the other: the
 GPU starts on the first while the host still launches the rest, so less launch latency sits between the host's
 hand-over and the first kernel (each step waits for its token on the host, so nothing else hides it).
+
+For batches of at most ``norm_gemv_rows`` rows the norms fold into the GEMVs that read them (``norm_gemv``): the
+input add+RMSNorm into the mixer's input projection, the Gated DeltaNet output norm into its out projection, and
+(``norm_gemv_ffn``) the post-attention add+RMSNorm into the FFN entry (the MoE router launch, or the dense / MoE
+entry GEMV), so a layer runs without a separate norm launch.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from ninfer.kernels.triton.conv import causal_conv1d_update
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
-from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, moe_workspace
+from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
+from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
+from ninfer.kernels.triton.norm_gemv import add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
@@ -143,6 +150,8 @@ class DecodeGraphRunner:
         graph_segments: int = 4,
         grouped_moe_rows: int = 1,
         gdn_value_split: int = 4,
+        norm_gemv_rows: int = 0,
+        norm_gemv_ffn: bool = True,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -166,6 +175,13 @@ class DecodeGraphRunner:
         # programs per Gated DeltaNet value head in the decode kernel (> 1: the output norm becomes a second launch;
         # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
         self.gdn_value_split = gdn_value_split
+        # norms folded into the GEMVs that read them (``norm_gemv``) for batches of at most this many rows (0: never;
+        # capped at NORM_GEMV_MAX_ROWS); ``norm_gemv_ffn``: the post-attention norm too. ``accelerate`` chooses it
+        # per model from the H200 measurements (docs/performance.md, round 5).
+        if norm_gemv_rows < 0:
+            raise ValueError(f"norm_gemv_rows must be >= 0, got {norm_gemv_rows}")
+        self.norm_gemv_rows = norm_gemv_rows
+        self.norm_gemv_ffn = norm_gemv_ffn
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -259,22 +275,32 @@ class DecodeGraphRunner:
         attention_index = sum(1 for kind in kinds[:start] if kind == FULL_ATTENTION)
         recurrent_index = start - attention_index
         hidden, pending = carry.hidden, carry.pending
+        fold_norms = hidden.shape[0] <= min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS)
         for layer, fused, kind in zip(model.layers[start:stop], self.fused[start:stop], kinds[start:stop]):
-            hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
+            if fold_norms:
+                hidden, projected, _ = add_norm_gemv(
+                    hidden, pending, layer.input_layernorm, fused.mixer_in, config.rms_norm_eps
+                )
+            else:
+                hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
+                projected = F.linear(normed, fused.mixer_in)
             if kind == FULL_ATTENTION:
                 pending = self._attention(
-                    layer.mixer, fused, normed, inputs, carry.slot_mapping, carry.total_lens,  # type: ignore[arg-type]
+                    layer.mixer, projected, inputs, carry.slot_mapping, carry.total_lens,  # type: ignore[arg-type]
                     kv.key[attention_index], kv.value[attention_index],
                 )
                 attention_index += 1
             else:
                 pending = self._gated_deltanet(
-                    layer.mixer, fused, normed, inputs.state_slots,  # type: ignore[arg-type]
-                    state.conv[recurrent_index], state.ssm[recurrent_index],
+                    layer.mixer, projected, inputs.state_slots,  # type: ignore[arg-type]
+                    state.conv[recurrent_index], state.ssm[recurrent_index], fold_norms,
                 )
                 recurrent_index += 1
-            hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
-            pending = self.feed_forward(layer, fused, normed)
+            if fold_norms and self.norm_gemv_ffn:
+                hidden, pending = self._feed_forward_add_norm(layer, fused, hidden, pending)
+            else:
+                hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
+                pending = self.feed_forward(layer, fused, normed)
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
 
     def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,29 +317,40 @@ class DecodeGraphRunner:
     def _gated_deltanet(
         self,
         weights: GatedDeltaNetWeights,
-        fused: FusedProjections,
-        normed: torch.Tensor,
+        projected: torch.Tensor,
         slots: torch.Tensor,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
+        fold_norm: bool,
     ) -> torch.Tensor:
+        """The GDN mixer from its fused input projection; ``fold_norm``: the gated output norm inside the out GEMV."""
         config = self.config
-        qkv, z, b, a = self.gated_deltanet_inputs(fused, normed)
+        qkv, z, b, a = self._split_gated_deltanet_inputs(projected)
         mixed = causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
+        if fold_norm:
+            core, _ = fused_recurrent_gated_delta(
+                mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
+                key_heads=config.linear_num_key_heads, value_split=self.gdn_value_split,
+            )
+            return gated_norm_gemv(core, z, weights.norm, weights.out_proj, config.rms_norm_eps)
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
             key_heads=config.linear_num_key_heads, z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps,
             value_split=self.gdn_value_split,
         )
-        return F.linear(core.view(normed.shape[0], config.linear_value_dim), weights.out_proj)
+        return F.linear(core.view(projected.shape[0], config.linear_value_dim), weights.out_proj)
 
     def gated_deltanet_inputs(
         self, fused: FusedProjections, normed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused GDN entry GEMM split into its (strided) views: ``(qkv, z, b, a)``."""
+        return self._split_gated_deltanet_inputs(F.linear(normed, fused.mixer_in))
+
+    def _split_gated_deltanet_inputs(
+        self, projected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         config = self.config
         conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
-        projected = F.linear(normed, fused.mixer_in)
         z = projected[:, conv_dim : conv_dim + value_dim]
         b = projected[:, conv_dim + value_dim : conv_dim + value_dim + value_heads]
         return projected[:, :conv_dim], z, b, projected[:, conv_dim + value_dim + value_heads :]
@@ -329,9 +366,20 @@ class DecodeGraphRunner:
         value_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused q/gate/k/v GEMM, q/k norms + RoPE with the new K/V written: ``(query, output gate view)``."""
+        projected = F.linear(normed, fused.mixer_in)
+        return self._query_from_projection(weights, projected, positions, slot_mapping, key_cache, value_cache)
+
+    def _query_from_projection(
+        self,
+        weights: FullAttentionWeights,
+        projected: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         config, model = self.config, self.model
         heads, dim = config.num_attention_heads, config.head_dim
-        projected = F.linear(normed, fused.mixer_in)
         query = qk_norm_rope_write_kv(
             projected, weights.q_norm, weights.k_norm, positions, model.inverse_frequencies,
             model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
@@ -341,15 +389,16 @@ class DecodeGraphRunner:
     def _attention(
         self,
         weights: FullAttentionWeights,
-        fused: FusedProjections,
-        normed: torch.Tensor,
+        projected: torch.Tensor,
         inputs: DecodeInputs,
         slot_mapping: torch.Tensor,
         total_lens: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        query, gate = self.attention_query(weights, fused, normed, inputs.positions, slot_mapping, key_cache, value_cache)
+        query, gate = self._query_from_projection(
+            weights, projected, inputs.positions, slot_mapping, key_cache, value_cache
+        )
         attended = paged_attention_decode(
             query, key_cache, value_cache, inputs.page_tables, total_lens, scale=self.config.head_dim**-0.5, gate=gate
         )
@@ -360,19 +409,43 @@ class DecodeGraphRunner:
         mlp = layer.mlp
         if isinstance(mlp, DenseMLPWeights):
             return F.linear(silu_mul(F.linear(normed, fused.ffn_in)), mlp.down_proj)
-        return self._mixture_of_experts(mlp, fused, normed)
+        if self._grouped_moe(normed.shape[0]):
+            return grouped_moe_decode(normed, **self._grouped_moe_weights(mlp, fused))
+        return self._routed_experts(mlp, normed, F.linear(normed, fused.ffn_in))
 
-    def _mixture_of_experts(self, mlp: MoEWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
+    def _feed_forward_add_norm(
+        self, layer: DecoderLayerWeights, fused: FusedProjections, hidden: torch.Tensor, pending: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new hidden, block output)``: ``feed_forward`` with the post-attention add+RMSNorm inside its entry."""
+        mlp, norm, eps = layer.mlp, layer.post_attention_layernorm, self.config.rms_norm_eps
+        if isinstance(mlp, DenseMLPWeights):
+            hidden, gate_up, _ = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps)
+            return hidden, F.linear(silu_mul(gate_up), mlp.down_proj)
+        if self._grouped_moe(hidden.shape[0]):
+            weights = self._grouped_moe_weights(mlp, fused)
+            out, hidden = grouped_moe_decode_add_norm(hidden, pending, norm, eps, **weights)
+            return hidden, out
+        hidden, entry, normed = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps, keep_normed=True)
+        return hidden, self._routed_experts(mlp, normed, entry)  # type: ignore[arg-type]
+
+    def _grouped_moe(self, rows: int) -> bool:
+        return rows <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS)
+
+    def _grouped_moe_weights(self, mlp: MoEWeights, fused: FusedProjections) -> dict[str, Any]:
+        """The grouped MoE kernels' weight arguments: views of the fused entry rows
+        ``[router | shared gate | shared up | shared expert gate]`` and the expert tensors."""
+        num_experts, shared_inner = moe_widths(mlp)
+        rows = fused.ffn_in
+        return dict(
+            router=rows[:num_experts], gate_up=mlp.gate_up, down=mlp.down, top_k=self.config.num_experts_per_tok,
+            shared_gate_up=rows[num_experts : num_experts + 2 * shared_inner], shared_down=mlp.shared_down,
+            shared_expert_gate=rows[num_experts + 2 * shared_inner :], workspace=self._moe_workspace,
+        )
+
+    def _routed_experts(self, mlp: MoEWeights, normed: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """The MoE block as separate launches, from the normed rows and their entry GEMM ``normed @ ffn_in^T``."""
         top_k = self.config.num_experts_per_tok
         num_experts, shared_inner = moe_widths(mlp)
-        if normed.shape[0] <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS):
-            rows = fused.ffn_in  # [router | shared gate | shared up | shared expert gate]
-            return grouped_moe_decode(
-                normed, rows[:num_experts], mlp.gate_up, mlp.down, top_k,  # type: ignore[arg-type]
-                shared_gate_up=rows[num_experts : num_experts + 2 * shared_inner], shared_down=mlp.shared_down,
-                shared_expert_gate=rows[num_experts + 2 * shared_inner :], workspace=self._moe_workspace,
-            )
-        entry = F.linear(normed, fused.ffn_in)
         shared_gate_up = entry[:, num_experts : num_experts + 2 * shared_inner]
         weights, experts = route_top_k(entry[:, :num_experts], top_k)  # type: ignore[arg-type]
         shared = F.linear(silu_mul(shared_gate_up), mlp.shared_down)

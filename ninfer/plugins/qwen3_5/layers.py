@@ -328,22 +328,21 @@ def full_attention_fused(
     weights: FullAttentionWeights,
     config: Qwen35TextConfig,
     x: torch.Tensor,
-    positions: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     layout: BatchLayout,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
 ) -> torch.Tensor:
     """``full_attention`` for CUDA prefill: one GEMM for q+gate/k/v, q/k norm + MRoPE + KV write in one Triton
-    kernel, the sigmoid output gate in another. ``positions [3, T]`` (contiguous rows); ``rope`` is
-    ``(inverse_frequencies, axis_of_frequency)`` of the model."""
+    kernel, the sigmoid output gate in another. ``rope`` is ``(positions [3, T] with contiguous rows,
+    inverse_frequencies, axis_of_frequency)`` of the model."""
     from ninfer.kernels.triton.attention import qk_norm_rope_write_kv
     from ninfer.kernels.triton.norms import sigmoid_gate
 
     tokens = x.shape[0]
     heads, dim = config.num_attention_heads, config.head_dim
     projected = stacked_linear(x, (weights.q_proj, weights.k_proj, weights.v_proj))
-    inverse_frequencies, axis_of_frequency = rope
+    positions, inverse_frequencies, axis_of_frequency = rope
     query = qk_norm_rope_write_kv(
         projected, weights.q_norm, weights.k_norm, positions, inverse_frequencies, axis_of_frequency,
         key_cache, value_cache, layout.slot_mapping, config.rms_norm_eps, query_heads=heads,

@@ -6,7 +6,8 @@ of the mapped artifact; anything else is converted once at load.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import functools
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -27,7 +28,6 @@ from ninfer.plugins.qwen3_5.layers import (
     MoEWeights,
     RecurrentCapture,
     feed_forward,
-    finish_layer,
     full_attention,
     full_attention_fused,
     gated_deltanet,
@@ -213,9 +213,6 @@ class Qwen35Model:
         """MRoPE ``cos, sin [T, rotary_dim]`` (fp32) shared by every attention layer of one traversal."""
         return rotary_cos_sin(positions.to(self.device), self.inverse_frequencies, self.axis_of_frequency)
 
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps, zero_centered=True)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed hidden states."""
         return F.linear(hidden, self.lm_head).float()
@@ -234,82 +231,24 @@ class Qwen35Model:
     ) -> tuple[torch.Tensor, CapturedStates | None]:
         """All decoder layers over the flat batch; returns final-normed hidden ``[T, H]`` and captured states.
 
-        ``layer_outputs``: for each layer index already a key, the layer's output ``[T, H]`` is stored under it.
-        ``fused`` selects the Triton traversal (``run_fused``; CUDA with Triton only).
+        Each block's output stays pending and is added to the residual stream by the next norm. ``layer_outputs``:
+        for each layer index already a key, the layer's output ``[T, H]`` is stored under it. ``fused`` selects the
+        Triton ops (``TRITON_OPS``: CUDA prefill, needs Triton on the model's device) over the reference torch ops.
         """
-        if fused:
-            return self.run_fused(token_ids, positions, layout, kv, state, capture_states, layer_outputs)
-        config = self.config
+        ops = TRITON_OPS if fused else REFERENCE_OPS
+        config, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed(token_ids)
-        rotary = self.rotary(positions)
-        captured = CapturedStates(conv=[], ssm=[]) if capture_states else None
-        attention_index = recurrent_index = 0
-        for layer_index, (weights, kind) in enumerate(zip(self.layers, config.layer_types)):
-            normed = rms_norm(hidden, weights.input_layernorm, config.rms_norm_eps, zero_centered=True)
-            if kind == FULL_ATTENTION:
-                mixed = full_attention(
-                    weights.mixer,  # type: ignore[arg-type]
-                    config,
-                    normed,
-                    rotary,
-                    layout,
-                    kv.key[attention_index],
-                    kv.value[attention_index],
-                )
-                attention_index += 1
-            else:
-                conv_cache, ssm_cache = state.conv[recurrent_index], state.ssm[recurrent_index]
-                capture = _recurrent_capture(captured, conv_cache, ssm_cache, hidden.shape[0])
-                mixed = gated_deltanet(
-                    weights.mixer, config, normed, layout, conv_cache, ssm_cache, capture  # type: ignore[arg-type]
-                )
-                recurrent_index += 1
-            hidden = finish_layer(weights, config, hidden, mixed)
-            if layer_outputs is not None and layer_index in layer_outputs:
-                layer_outputs[layer_index] = hidden
-        return self.final_norm(hidden), captured
-
-    def run_fused(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        layout: BatchLayout,
-        kv: KVCache,
-        state: StateCache,
-        capture_states: bool,
-        layer_outputs: dict[int, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, CapturedStates | None]:
-        """``run`` through the Triton row kernels (the CUDA prefill path; needs Triton on the model's device).
-
-        Each block's output stays pending and is added to the residual stream by the next norm's kernel (residual
-        add + (1+w) RMSNorm in one pass); projections reading one input are one GEMM where the weights are fused.
-        """
-        from ninfer.kernels.triton.norms import add_rms_norm
-
-        config = self.config
-
-        def add_norm(
-            pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            """``(hidden + pending, rms_norm of it)``; just the norm while nothing is pending."""
-            if pending is None:
-                return add_rms_norm(hidden, None, weight, config.rms_norm_eps)
-            return add_rms_norm(pending, hidden, weight, config.rms_norm_eps)
-
-        hidden = self.embed(token_ids)
-        positions = positions.to(self.device).contiguous()
-        rope = (self.inverse_frequencies, self.axis_of_frequency)
+        rope = ops.rope(self, positions)
         captured = CapturedStates(conv=[], ssm=[]) if capture_states else None
         pending: torch.Tensor | None = None  # the last block's output, not yet added to ``hidden``
         attention_index = recurrent_index = 0
         for layer_index, (weights, kind) in enumerate(zip(self.layers, config.layer_types)):
-            hidden, normed = add_norm(pending, hidden, weights.input_layernorm)
+            hidden, normed = ops.add_norm(pending, hidden, weights.input_layernorm, eps)
             if kind == FULL_ATTENTION:
-                pending = full_attention_fused(
+                pending = ops.full_attention(
                     weights.mixer,  # type: ignore[arg-type]
                     config,
                     normed,
-                    positions,
                     rope,
                     layout,
                     kv.key[attention_index],
@@ -319,17 +258,75 @@ class Qwen35Model:
             else:
                 conv_cache, ssm_cache = state.conv[recurrent_index], state.ssm[recurrent_index]
                 capture = _recurrent_capture(captured, conv_cache, ssm_cache, hidden.shape[0])
-                pending = gated_deltanet(
-                    weights.mixer, config, normed, layout, conv_cache, ssm_cache, capture,  # type: ignore[arg-type]
-                    fused=True,
+                pending = ops.gated_deltanet(
+                    weights.mixer, config, normed, layout, conv_cache, ssm_cache, capture  # type: ignore[arg-type]
                 )
                 recurrent_index += 1
-            hidden, normed = add_norm(pending, hidden, weights.post_attention_layernorm)
-            pending = feed_forward(weights.mlp, config, normed, fused=True)
+            hidden, normed = ops.add_norm(pending, hidden, weights.post_attention_layernorm, eps)
+            pending = ops.feed_forward(weights.mlp, config, normed)
             if layer_outputs is not None and layer_index in layer_outputs:
                 layer_outputs[layer_index] = hidden + pending
-        _, final = add_norm(pending, hidden, self.norm)
+        _, final = ops.add_norm(pending, hidden, self.norm, eps)
         return final, captured
+
+
+@attrs.frozen
+class TraversalOps:
+    """The operations one form of the trunk traversal is made of; ``Qwen35Model.run`` is the one layer loop.
+
+    ``add_norm(pending, hidden, weight, eps)`` -> ``(hidden + pending, (1+w) RMSNorm of it)`` (just the norm while
+    nothing is pending); ``rope(model, positions)`` -> what ``full_attention`` reads for the positions; the mixers and
+    the FFN take the arguments of ``layers.full_attention`` / ``gated_deltanet`` / ``feed_forward``.
+    """
+
+    add_norm: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    rope: Callable[["Qwen35Model", torch.Tensor], Any]
+    full_attention: Callable[..., torch.Tensor]
+    gated_deltanet: Callable[..., torch.Tensor]
+    feed_forward: Callable[..., torch.Tensor]
+
+
+def _add_norm_torch(
+    pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then the norm, as torch ops."""
+    if pending is not None:
+        hidden = hidden + pending
+    return hidden, rms_norm(hidden, weight, eps, zero_centered=True)
+
+
+def _add_norm_triton(
+    pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm in one Triton pass."""
+    from ninfer.kernels.triton.norms import add_rms_norm  # imported on use: CPU installs lack triton
+
+    if pending is None:
+        return add_rms_norm(hidden, None, weight, eps)
+    return add_rms_norm(pending, hidden, weight, eps)
+
+
+def _rope_inputs(model: "Qwen35Model", positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions [3, T] contiguous, inverse_frequencies, axis_of_frequency)``: the fused kernel makes cos/sin."""
+    return positions.to(model.device).contiguous(), model.inverse_frequencies, model.axis_of_frequency
+
+
+# the pure-torch reference (the CPU path and the oracle)
+REFERENCE_OPS = TraversalOps(
+    add_norm=_add_norm_torch,
+    rope=Qwen35Model.rotary,
+    full_attention=full_attention,
+    gated_deltanet=gated_deltanet,
+    feed_forward=feed_forward,
+)
+# the CUDA prefill: Triton row kernels and one GEMM per layer input where the weights are fused
+TRITON_OPS = TraversalOps(
+    add_norm=_add_norm_triton,
+    rope=_rope_inputs,
+    full_attention=full_attention_fused,
+    gated_deltanet=functools.partial(gated_deltanet, fused=True),
+    feed_forward=functools.partial(feed_forward, fused=True),
+)
 
 
 def _recurrent_capture(

@@ -59,37 +59,22 @@ class Qwen35Runtime:
     """The hybrid Gated-DeltaNet trunk plus, when the artifact carries it, the MTP drafter (``mtp``)."""
 
     def __init__(self, model: Qwen35Model, mtp: Qwen35MTP | None, decoder: "DecodeGraphRunner | None" = None) -> None:
+        """With ``decoder`` (the CUDA decode path: Triton kernels, CUDA graphs) the runtime also verifies uniform
+        speculative batches through the CUDA verify runner and runs every other batch through the Triton traversal;
+        without it (CPU) every batch takes the reference traversal."""
         self.model = model
         self.config = model.config
         self.mtp = mtp
-        self.decoder = decoder  # the fused CUDA decode path (Triton kernels, CUDA graphs); None on CPU
-        self.verifier: "VerifyGraphRunner | None" = None  # opt-in fused path for speculative verify batches
-        self.fused_prefill = False  # opt-in Triton traversal for prefill and other multi-token batches
+        self.decoder = decoder
+        self.verifier: "VerifyGraphRunner | None" = None
+        if decoder is not None:
+            from ninfer.plugins.qwen3_5 import verify_graph  # imported here: CPU installs lack triton
+
+            self.verifier = verify_graph.VerifyGraphRunner(
+                decoder.model, decoder.fused, use_graphs=decoder.use_graphs, max_batch=decoder.max_batch,
+                graph_segments=decoder.graph_segments,
+            )
         self.spec = runtime_spec(model.config, model.dtype, model.device)
-
-    def enable_fused_prefill(self) -> None:
-        """Run prefill (every batch the decode and verify runners do not take) through ``Qwen35Model.run_fused``.
-
-        Opt-in until measured on the H200 (docs/performance.md, round 4): it has only run under Triton's interpreter.
-        """
-        if self.decoder is None:
-            raise ConfigError("the fused prefill traversal needs the CUDA decode path (CUDA with Triton)")
-        self.fused_prefill = True
-
-    def enable_verify_runner(self) -> None:
-        """Send uniform speculative verify batches through the fused CUDA verify runner (``verify_graph``).
-
-        Opt-in, used by the speculative benchmark: its agreement with the generic path at full model size is not
-        yet confirmed on the H200 (docs/performance.md, round 4), so the engine verifies through the generic path.
-        """
-        if self.decoder is None:
-            raise ConfigError("the fused verify runner needs the CUDA decode path (CUDA with Triton)")
-        from ninfer.plugins.qwen3_5 import verify_graph  # imported here: CPU-only installs lack triton
-
-        decoder = self.decoder
-        self.verifier = verify_graph.VerifyGraphRunner(
-            decoder.model, decoder.fused, use_graphs=decoder.use_graphs, graph_segments=decoder.graph_segments
-        )
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
         """One traversal: each row continues its KV pages and state slot with ``query_lens[row]`` new tokens.
@@ -97,6 +82,8 @@ class Qwen35Runtime:
         ``logits``/``hidden`` are per row for "last" and per token for "all"; with "none" there are no logits and
         ``hidden`` (if asked for) is per token. ``states`` holds the recurrent state after every new token when
         ``capture_states`` is set (from the CUDA verify runner: views of its buffers, valid until its next forward).
+        Pure decode batches take the decode runner, uniform verify batches the verify runner, every other batch one
+        ``Qwen35Model.run``: the Triton traversal alongside the decode runner, else the reference traversal.
         """
         self._check(batch, kv, state)
         if self.decoder is not None and not batch.capture_layers and self.decoder.supports(batch):
@@ -111,7 +98,8 @@ class Qwen35Runtime:
         layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
             hidden, captured = self.model.run(
-                token_ids, positions, layout, kv, state, batch.capture_states, layer_outputs, fused=self.fused_prefill
+                token_ids, positions, layout, kv, state, batch.capture_states, layer_outputs,
+                fused=self.decoder is not None,
             )
             selected = hidden[layout.last_token_index] if batch.logits == "last" else hidden
             logits = None if batch.logits == "none" else self.model.logits(selected)
@@ -179,6 +167,9 @@ def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
     return Qwen35Runtime(model, Qwen35MTP.load(loader, model), decoder)
 
 
+NORM_GEMV_MAX_HIDDEN = 2048  # the widest hidden size whose decode norms fold into the GEMVs (see ``accelerate``)
+
+
 def accelerate(
     model: Qwen35Model, *, cuda_graphs: bool, on_layer: Callable[[int, Any], None] | None = None
 ) -> tuple[Qwen35Model, "DecodeGraphRunner | None"]:
@@ -192,4 +183,7 @@ def accelerate(
     from ninfer.plugins.qwen3_5.fused import fuse_model
 
     model, fused = fuse_model(model, on_layer)
-    return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs)
+    # norms folded into the GEMVs at batch 1 where the rows are short (35B-A3B, hidden 2048: step 2.95 -> 2.74 ms on
+    # the H200); on wider rows (27B, hidden 5120) cuBLAS is as fast, and at 8 rows it is faster for both
+    norm_gemv_rows = 1 if model.config.hidden_size <= NORM_GEMV_MAX_HIDDEN else 0
+    return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs, norm_gemv_rows=norm_gemv_rows)

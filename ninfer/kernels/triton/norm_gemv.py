@@ -1,0 +1,342 @@
+"""GEMVs of decode batches (rows <= 8) that normalise their own input: one launch instead of a norm and a GEMM.
+
+The activation rows of a decode batch are tiny (2048 bf16 = 4 KB at 35B-A3B), so every program of the GEMV
+recomputes the norm of the rows it multiplies instead of reading a normed copy written by a separate launch:
+
+* ``add_norm_gemv``: ``y = rms_norm(hidden + pending) * (1 + w) @ W^T`` (Qwen3.5's zero-centered RMSNorm, the
+  residual add deferred into the next norm as in ``ninfer.kernels.triton.norms.add_rms_norm``). Every program first
+  sums the squares of the whole rows, then streams its block of output rows. The first program also writes the new
+  residual stream ``hidden + pending`` (and, when asked, the normed rows for a second consumer).
+* ``gated_norm_gemv``: ``y = (rms_norm_per_head(core) * w * silu(z)) @ W^T``, the Gated DeltaNet output norm and
+  out projection. A head's norm needs only that head, so each K tile holds whole heads and is normed on the fly.
+
+Twins: ``ninfer.kernels.norms.rms_norm`` (zero-centered) / ``gated_rms_norm`` followed by ``F.linear``. Rounding
+follows the twin: the residual sum and the normed activations are rounded to the activation dtype before the
+product, which accumulates in fp32 and is rounded to the activation dtype once. One row multiplies with FMA
+reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependent launch (``GemvTiles.pdl``,
+sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
+the weights stream while the previous kernel drains.
+
+The JIT helpers here (``after_predecessor``, ``accumulate``, ``inverse_rms``, ``dot_normed_rows``) are shared with
+the grouped MoE kernels (``moe_grouped``), whose router normalises its input the same way.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ninfer.kernels.triton import next_power_of_2
+
+MAX_ROWS = 64  # activation rows one call takes (a padded tl.dot tile beyond 16 rows)
+
+
+@attrs.frozen
+class GemvTiles:
+    """Launch shape of a norm-fused GEMV."""
+
+    rows: int = 4  # output rows (weight rows) per program
+    block_k: int = 2048  # columns per step (the gated kernel rounds it to whole heads)
+    warps: int = 4
+    stages: int = 2
+    pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Programmatic dependent launch needs a CUDA device of compute capability 9.0 or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def default_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
+    """The tiles of ``add_norm_gemv`` for ``tokens`` rows: 8 output rows over a whole 35B-A3B row per step at one
+    row (FMA; the fastest on the H200, ``scripts/gpu_norm_gemv.py``, docs/performance.md round 5), 32-row ``tl.dot``
+    tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row only)."""
+    if tokens == 1:
+        return GemvTiles(rows=8, block_k=2048, warps=4, stages=2, pdl=pdl_supported(device))
+    return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
+
+
+def default_gated_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
+    """The tiles of ``gated_norm_gemv``: 2 output rows over 16 heads of 128 per step at one row (the fastest on the
+    H200), 2 heads with 32-row dot tiles for more."""
+    if tokens == 1:
+        return GemvTiles(rows=2, block_k=2048, warps=4, stages=2, pdl=pdl_supported(device))
+    return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra launch arguments of a kernel that may use programmatic dependent launch."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def token_block(tokens: int, *rows_per_program: int) -> int:
+    """Token rows of a program's tile: 1 (FMA reductions) or a ``tl.dot`` tile of at least 16 (then >= 16 rows)."""
+    if tokens == 1:
+        return 1
+    if min(rows_per_program) < 16:
+        raise ValueError(f"tiles for {tokens} rows (tl.dot) need >= 16 weight rows per program; got {rows_per_program}")
+    return max(16, next_power_of_2(tokens))
+
+
+@triton.jit
+def after_predecessor(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel's writes are visible, let the next start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def accumulate(acc, x, w, TOKENS: tl.constexpr):
+    """``acc [TOKENS, ROWS] += x [TOKENS, K] @ w [ROWS, K]^T`` (FMA reductions for one token, else ``tl.dot``)."""
+    if TOKENS == 1:
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING: tl.constexpr):
+    """``hidden + pending`` over ``cols`` of the rows (pointers at row starts), rounded to the activation dtype."""
+    x = tl.load(hidden_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_PENDING:
+        pending = tl.load(pending_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (pending.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def inverse_rms(
+    hidden_rows, pending_rows, token_valid, width, eps,
+    HAS_PENDING: tl.constexpr, TOKENS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``[TOKENS]`` fp32 ``1 / rms(hidden + pending)`` over the rows' ``width`` columns."""
+    squares = tl.zeros((TOKENS, BLOCK_K), tl.float32)
+    for first in range(0, width, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)
+        mask = token_valid[:, None] & (cols < width)[None, :]
+        values = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING).to(tl.float32)
+        squares += values * values
+    return tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
+
+
+@triton.jit
+def _normed_product(
+    acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
+    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr,
+):
+    """``acc += normed[:, cols] @ w^T`` for a weight tile ``w [ROWS, len(cols)]`` and the rows' ``summed`` tile
+    (``_summed_tile``); with ``write_out`` the tile's new residual stream (and normed rows) are stored too."""
+    scale = tl.load(norm_weight_ptr + cols, mask=col_valid, other=0.0).to(tl.float32) + 1.0
+    normed = (summed.to(tl.float32) * rstd[:, None] * scale[None, :]).to(summed.dtype)
+    if HAS_PENDING:
+        tl.store(hidden_out_rows[:, None] + cols[None, :], summed, mask=mask & write_out)
+    if KEEP_NORMED:
+        tl.store(normed_out_rows[:, None] + cols[None, :], normed, mask=mask & write_out)
+    return accumulate(acc, normed, w, TOKENS)
+
+
+@triton.jit
+def dot_normed_rows(
+    acc, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start, stop,
+    hidden_out_rows, normed_out_rows, write_out,
+    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``acc [TOKENS, ROWS] +=`` the normed rows times weight rows ``w_rows`` over columns ``[start, stop)``
+    (``rstd`` from ``inverse_rms``); with ``write_out`` the columns' new residual stream / normed rows are stored."""
+    for first in range(start, stop, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)
+        col_valid = cols < stop
+        w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+        mask = token_valid[:, None] & col_valid[None, :]
+        summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+        acc = _normed_product(
+            acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
+            HAS_PENDING, KEEP_NORMED, TOKENS,
+        )
+    return acc
+
+
+@triton.jit
+def _add_norm_gemv_kernel(
+    hidden_ptr, hidden_stride, pending_ptr, pending_stride, norm_weight_ptr, w_ptr, out_ptr, hidden_out_ptr,
+    normed_out_ptr, tokens, out_features, width, eps,
+    TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_valid = rows < out_features
+    w_rows = w_ptr + rows.to(tl.int64) * width
+    cols = tl.arange(0, BLOCK_K)
+    col_valid = cols < width
+    first_tile = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+    after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
+    t = tl.arange(0, TOKENS)
+    token_valid = t < tokens
+    hidden_rows = hidden_ptr + t * hidden_stride
+    pending_rows = pending_ptr + t * pending_stride
+    mask = token_valid[:, None] & col_valid[None, :]
+    summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+    if WHOLE_ROW:  # the first step holds the whole rows: their norm needs no second read
+        values = summed.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(values * values, axis=1) / width + eps)
+    else:
+        rstd = inverse_rms(hidden_rows, pending_rows, token_valid, width, eps, HAS_PENDING, TOKENS, BLOCK_K)
+    hidden_out_rows = hidden_out_ptr + t * width
+    normed_out_rows = normed_out_ptr + t * width
+    write_out = tl.program_id(0) == 0
+    acc = tl.zeros((TOKENS, ROWS), tl.float32)
+    acc = _normed_product(
+        acc, first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows,
+        write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
+    )
+    if not WHOLE_ROW:
+        acc = dot_normed_rows(
+            acc, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, BLOCK_K, width,
+            hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS, BLOCK_K,
+        )
+    out = out_ptr + t[:, None] * out_features + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_valid[:, None] & row_valid[None, :])
+
+
+def _check_rows(tensor: torch.Tensor, name: str, rows: int, width: int) -> None:
+    if tensor.dim() != 2 or tensor.shape != (rows, width) or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be [{rows}, {width}] with contiguous rows; got {tuple(tensor.shape)}")
+
+
+def add_norm_gemv(
+    hidden: torch.Tensor,
+    pending: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    keep_normed: bool = False,
+    tiles: GemvTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(new hidden, projected, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
+
+    ``new hidden = hidden + pending`` (rounded; ``hidden`` itself without ``pending``), ``normed =
+    rms_norm(new hidden) * (1 + norm_weight)`` (rounded), ``projected = normed @ weight^T`` (``weight [O, H]``
+    contiguous, e.g. a layer's fused input rows). ``keep_normed``: also return ``normed`` (for a second consumer).
+    """
+    tokens, width = hidden.shape
+    if not 1 <= tokens <= MAX_ROWS:
+        raise ValueError(f"add_norm_gemv takes 1..{MAX_ROWS} rows; got {tokens}")
+    _check_rows(hidden, "hidden", tokens, width)
+    if pending is not None:
+        _check_rows(pending, "pending", tokens, width)
+    if weight.dim() != 2 or weight.shape[1] != width or weight.stride() != (width, 1):
+        raise ValueError(f"weight must be a contiguous [O, {width}]; got {tuple(weight.shape)}")
+    if norm_weight.shape != (width,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
+    tiles = tiles or default_tiles(tokens, hidden.device)
+    out_features = weight.shape[0]
+    like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((tokens, out_features), **like_hidden)
+    new_hidden = torch.empty((tokens, width), **like_hidden) if pending is not None else hidden
+    normed = torch.empty((tokens, width), **like_hidden) if keep_normed else None
+    block_k = min(tiles.block_k, next_power_of_2(width))
+    _add_norm_gemv_kernel[(triton.cdiv(out_features, tiles.rows),)](
+        hidden, hidden.stride(0), pending if pending is not None else hidden,
+        pending.stride(0) if pending is not None else 0, norm_weight, weight, out, new_hidden,
+        normed if keep_normed else out, tokens, out_features, width, eps,
+        TOKENS=token_block(tokens, tiles.rows), ROWS=tiles.rows, BLOCK_K=block_k, WHOLE_ROW=block_k >= width,
+        HAS_PENDING=pending is not None, KEEP_NORMED=keep_normed, PDL=tiles.pdl, num_warps=tiles.warps,
+        num_stages=tiles.stages, **launch_options(tiles.pdl),
+    )
+    return new_hidden, out, normed
+
+
+@triton.jit
+def _gated_product(
+    acc, w, first, core_rows, z_rows, norm_weight, token_valid, heads, eps,
+    TOKENS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, DV: tl.constexpr,
+):
+    """``acc += gated[:, first : first + HEADS_PER_TILE * DV] @ w^T`` with the heads' norms computed here."""
+    head = first // DV + tl.arange(0, HEADS_PER_TILE)
+    d = tl.arange(0, DV)
+    offsets = (head * DV)[None, :, None] + d[None, None, :]
+    mask = token_valid[:, None, None] & (head < heads)[None, :, None]
+    core = tl.load(core_rows[:, None, None] + offsets, mask=mask, other=0.0)
+    z = tl.load(z_rows[:, None, None] + offsets, mask=mask, other=0.0).to(tl.float32)
+    values = core.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(values * values, axis=2) / DV + eps)
+    gated = values * rstd[:, :, None] * norm_weight[None, None, :] * (z * tl.sigmoid(z))
+    x = tl.reshape(gated.to(core.dtype), (TOKENS, HEADS_PER_TILE * DV))
+    return accumulate(acc, x, w, TOKENS)
+
+
+@triton.jit
+def _gated_norm_gemv_kernel(
+    core_ptr, core_stride, z_ptr, z_stride, norm_weight_ptr, w_ptr, out_ptr, tokens, out_features, heads, eps,
+    TOKENS: tl.constexpr, ROWS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, DV: tl.constexpr, PDL: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = HEADS_PER_TILE * DV
+    width = heads * DV
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_valid = rows < out_features
+    w_rows = w_ptr + rows.to(tl.int64) * width
+    cols = tl.arange(0, BLOCK_K)
+    first_tile = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < width)[None, :], other=0.0)
+    after_predecessor(PDL)
+    t = tl.arange(0, TOKENS)
+    token_valid = t < tokens
+    core_rows = core_ptr + t * core_stride
+    z_rows = z_ptr + t * z_stride
+    norm_weight = tl.load(norm_weight_ptr + tl.arange(0, DV)).to(tl.float32)
+    acc = tl.zeros((TOKENS, ROWS), tl.float32)
+    acc = _gated_product(acc, first_tile, 0, core_rows, z_rows, norm_weight, token_valid, heads, eps,
+                         TOKENS, HEADS_PER_TILE, DV)
+    for first in range(BLOCK_K, width, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < width)[None, :], other=0.0)
+        acc = _gated_product(acc, w, first, core_rows, z_rows, norm_weight, token_valid, heads, eps,
+                             TOKENS, HEADS_PER_TILE, DV)
+    out = out_ptr + t[:, None] * out_features + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_valid[:, None] & row_valid[None, :])
+
+
+def gated_norm_gemv(
+    core: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    tiles: GemvTiles | None = None,
+) -> torch.Tensor:
+    """``gated_rms_norm(core, z, norm_weight) @ weight^T`` in one launch; returns ``[N, O]`` in ``core.dtype``.
+
+    ``core [N <= 64, heads, D]`` (D a power of two; heads contiguous), ``z [N, heads * D]`` with contiguous rows (a
+    column slice of the fused input projection is fine), ``norm_weight [D]`` (plain weight), ``weight [O, heads*D]``
+    contiguous.
+    """
+    if core.dim() != 3:
+        raise ValueError(f"core must be [N, heads, D]; got {tuple(core.shape)}")
+    tokens, heads, dim = core.shape
+    if not 1 <= tokens <= MAX_ROWS:
+        raise ValueError(f"gated_norm_gemv takes 1..{MAX_ROWS} rows; got {tokens}")
+    if dim & (dim - 1) or core.stride(2) != 1 or core.stride(1) != dim:
+        raise ValueError(f"core needs contiguous heads of a power-of-two dim; got {tuple(core.shape)}")
+    width = heads * dim
+    _check_rows(z, "z", tokens, width)
+    if weight.dim() != 2 or weight.shape[1] != width or weight.stride() != (width, 1):
+        raise ValueError(f"weight must be a contiguous [O, {width}]; got {tuple(weight.shape)}")
+    if norm_weight.shape != (dim,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [{dim}]; got {tuple(norm_weight.shape)}")
+    tiles = tiles or default_gated_tiles(tokens, core.device)
+    out_features = weight.shape[0]
+    out = torch.empty((tokens, out_features), dtype=core.dtype, device=core.device)
+    heads_per_tile = min(next_power_of_2(heads), max(1, tiles.block_k // dim))
+    _gated_norm_gemv_kernel[(triton.cdiv(out_features, tiles.rows),)](
+        core, core.stride(0), z, z.stride(0), norm_weight, weight, out, tokens, out_features, heads, eps,
+        TOKENS=token_block(tokens, tiles.rows), ROWS=tiles.rows, HEADS_PER_TILE=next_power_of_2(heads_per_tile),
+        DV=dim, PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
+    )
+    return out
