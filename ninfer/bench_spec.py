@@ -6,15 +6,18 @@ prefilled with random prompts, exactly as the executor drives it (same verify ``
 state capture, all logits, hidden states for the drafter; same acceptance, commit and rollback code).
 
 Random weights accept almost nothing, and acceptance changes the cost only a little (how many tokens are committed,
-whether the recurrent state is restored, how many hidden states the drafter keeps), so acceptance is *forced*: the
-verify logits are edited after the timed forward so that either no draft (``zero``) or every draft (``full``) is
-the target's greedy choice. Measured per concurrency, medians over the timed rounds:
+whether the recurrent state is restored, how many hidden states the drafter keeps, how many tail positions the next
+draft writes), so acceptance is *forced*: the verify logits are edited after the timed forward (asynchronously, while
+the device still runs it) so that either no draft (``zero``) or every draft (``full``) is the target's greedy choice.
+Before any timing, rounds accepting 0, 1, .., k drafts in turn (``SpecRows.warm_shapes``) make every draft tail
+length 1..k+1 appear twice, so every kernel variant is compiled and every CUDA graph (draft, verify) captured and
+replayed. Measured per concurrency, medians over the timed rounds:
 
 * ``plain_step_ms``: one plain decode step as ``ninfer bench --synthetic`` measures it (graphs, host round trip);
 * ``round_ms``: a whole round back to back (``SpeculativeRound.run`` between two device syncs), per acceptance;
 * its parts from separately instrumented rounds (a device sync at each boundary): ``draft_ms`` (the k chained MTP
   steps), ``verify_ms`` (``runtime.forward`` of the verify batch) and ``accept_rollback_ms`` (the rest: batch
-  building, the argmax transfer, acceptance, commits, state restore, the drafter's bookkeeping);
+  building, the argmax transfer, acceptance, commits, state restore, the drafter's bookkeeping; not the forcing);
 * ``projected_tok_s``: rows x the expected tokens per round at a published acceptance profile ÷ the slower of the two
   round times. It is a projection: the acceptance is borrowed, only the cost is measured here.
 """
@@ -25,7 +28,7 @@ import json as json_module
 import math
 import statistics
 import time
-from typing import Any, Callable, Literal, Mapping, Sequence as Seq
+from typing import Any, Callable, Literal, Mapping, Sequence as Seq, Union
 
 import attrs
 import torch
@@ -52,6 +55,7 @@ from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, rand
 PAGE_SIZE = 16
 SPEC_BACKENDS = ("mtp",)
 Acceptance = Literal["zero", "full"]
+Forcing = Union[Acceptance, int]  # "zero", "full", or how many drafts each row accepts
 
 
 @attrs.frozen
@@ -92,8 +96,9 @@ class TimedRuntime:
         self.runtime = runtime
         self.spec = runtime.spec
         self.timing = False
-        self.force: Acceptance | None = None
+        self.force: Forcing | None = None
         self.times: list[float] = []
+        self.force_times: list[float] = []  # instrumented rounds: the forcing's own host and device time
         self.graph_batches = 0  # verify batches the runtime's CUDA verify runner takes
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
@@ -108,23 +113,38 @@ class TimedRuntime:
             _sync(self.spec.device)
             self.times.append((time.perf_counter() - start) * 1e3)
         if self.force is not None and output.logits is not None:
+            forcing = time.perf_counter()
             _force_acceptance(output.logits, batch, self.force)
+            if self.timing:
+                _sync(self.spec.device)
+                self.force_times.append((time.perf_counter() - forcing) * 1e3)
         return output
 
 
-def _force_acceptance(logits: torch.Tensor, batch: ForwardBatch, force: Acceptance) -> None:
-    """Make every draft of each row the greedy target token (``full``) or its first draft not (``zero``)."""
-    index = []
+def _force_acceptance(logits: torch.Tensor, batch: ForwardBatch, force: Forcing) -> None:
+    """Make the first ``n`` drafts of each row the greedy target token and the next one not (``zero``: n = 0,
+    ``full``: every draft), without a host sync: the edit is queued behind the forward."""
+    accepted = 0 if force == "zero" else None if force == "full" else int(force)
+    index, value = [], []
     start = 0
     for length in batch.query_lens:
-        if length > 1:  # a verify row: its pending token, then its drafts
-            index.extend(range(start, start + length - 1) if force == "full" else [start])
+        drafts = length - 1  # a verify row: its pending token, then its drafts
+        take = drafts if accepted is None else min(accepted, drafts)
+        index.extend(range(start, start + take))
+        value.extend([1] * take)
+        if take < drafts:
+            index.append(start + take)
+            value.append(0)
         start += length
     if not index:
         return
-    rows = torch.tensor(index, device=logits.device)
-    following = batch.token_ids.to(logits.device)[rows + 1]
-    logits[rows, following] = torch.finfo(logits.dtype).max if force == "full" else torch.finfo(logits.dtype).min
+    host = batch.token_ids.cpu()
+    staged = torch.tensor([index, host[torch.tensor(index) + 1].tolist(), value], dtype=torch.int64)
+    if logits.device.type == "cuda":
+        staged = staged.pin_memory()
+    rows, following, accept = staged.to(logits.device, non_blocking=True)
+    limits = torch.finfo(logits.dtype)
+    logits[rows, following] = torch.where(accept.bool(), limits.max, limits.min).to(logits.dtype)
 
 
 class TimedDrafter:
@@ -219,7 +239,7 @@ class SpecRows:
         token = int(self.drafter.target_logits(output.hidden[-1:])[0].argmax())
         commit_sampled(seq, token, time.monotonic())
 
-    def run_round(self, force: Acceptance, *, instrumented: bool) -> float:
+    def run_round(self, force: Forcing, *, instrumented: bool) -> float:
         """One round with the given forced acceptance; returns its ms (device-synced around it)."""
         self.timed_runtime.force = force
         self.timed_runtime.timing = self.timed_drafter.timing = instrumented
@@ -232,6 +252,13 @@ class SpecRows:
         if finished:
             raise ConfigError("a benchmark sequence finished early; its output budget was sized too small")
         return elapsed
+
+    def warm_shapes(self) -> None:
+        """Rounds accepting 0, 1, .., k drafts in turn, twice, then 0 once more: the drafts write tails of every
+        length 1..k+1 at least twice, so each shape is compiled and captured, then replayed."""
+        k = self.drafter.draft_tokens
+        for accepted in [*range(k + 1), *range(k + 1), 0]:
+            self.run_round(accepted, instrumented=False)
 
     def accepted_tokens(self) -> int:
         return sum(seq.speculative.accepted_tokens for seq in self.sequences if seq.speculative is not None)
@@ -250,14 +277,19 @@ def measure_rounds(rows: SpecRows, force: Acceptance, rounds: int, warmup: int) 
     accepted = (rows.accepted_tokens() - accepted_before) / (rounds * len(rows.sequences))
     timed_runtime, timed_drafter = rows.timed_runtime, rows.timed_drafter
     timed_runtime.times.clear()
+    timed_runtime.force_times.clear()
     timed_drafter.times.clear()
     instrumented = [rows.run_round(force, instrumented=True) for _ in range(rounds)]
-    rest = [t - d - v for t, d, v in zip(instrumented, timed_drafter.times, timed_runtime.times)]
+    rest = [
+        t - d - v - f
+        for t, d, v, f in zip(instrumented, timed_drafter.times, timed_runtime.times, timed_runtime.force_times)
+    ]
     return {
         "round_ms": statistics.median(whole),
         "draft_ms": statistics.median(timed_drafter.times),
         "verify_ms": statistics.median(timed_runtime.times),
         "accept_rollback_ms": statistics.median(rest),
+        "forcing_ms": statistics.median(timed_runtime.force_times),
         "instrumented_round_ms": statistics.median(instrumented),
         "accepted_per_row_round": accepted,
     }
@@ -288,7 +320,8 @@ def build_spec_runtime(
     tensors = random_text_weights(config_dict, device=target, dtype=dtype, seed=seed)
     tensors.update(random_mtp_weights(config_dict, device=target, dtype=dtype, seed=seed))
     source = InMemorySource(name, config_dict, tensors)
-    return build_runtime(source, dtype=dtype, device=target, cuda_graphs=cuda_graphs)
+    runtime = build_runtime(source, dtype=dtype, device=target, cuda_graphs=cuda_graphs)
+    return runtime
 
 
 def spec_bench(
@@ -367,10 +400,12 @@ def _measure_concurrency(
 ) -> dict[str, Any]:
     count = prompts.shape[0]
     plain_ms = bench_ninfer_decode(runtime, prompts, decode_steps, clock)[0] / decode_steps
-    rows = SpecRows(runtime, drafter, prompts, 2 * (warmup + 2 * rounds))
+    rows = SpecRows(runtime, drafter, prompts, 2 * (warmup + 2 * rounds) + 2 * drafter.draft_tokens + 3)
     try:
+        rows.warm_shapes()
         by_acceptance = {force: measure_rounds(rows, force, rounds, warmup) for force in ("zero", "full")}
         verify_on_graph_runner = rows.timed_runtime.graph_batches > 0
+        draft_path = _draft_path(drafter)
     finally:
         rows.close()
     slower = max(entry["round_ms"] for entry in by_acceptance.values())
@@ -381,9 +416,18 @@ def _measure_concurrency(
         **by_acceptance,
         "round_over_plain": {force: entry["round_ms"] / plain_ms for force, entry in by_acceptance.items()},
         "verify_path": "cuda verify runner" if verify_on_graph_runner else "eager",
+        "draft_path": draft_path,
         "projected_tok_s": projected,
         "projected_speedup": projected / (count / (plain_ms / 1e3)),
     }
+
+
+def _draft_path(drafter: MTPDrafter) -> str:
+    """How the drafter ran the rounds' drafts: captured graphs, the fused kernels eagerly, or the generic path."""
+    runner = drafter.fused_runner
+    if runner is None:
+        return "generic"
+    return "cuda graphs" if runner.captured() else "fused eager"
 
 
 def format_spec_table(result: Mapping[str, Any]) -> str:
@@ -397,7 +441,7 @@ def format_spec_table(result: Mapping[str, Any]) -> str:
         f"projected with {profile['name']} acceptance {'/'.join(f'{r:.0%}' for r in profile['rates'][:k])} "
         f"({profile['source']}): {profile['expected_tokens_per_round']:.2f} tokens per round",
         f"{'rows':>4} | {'accept':>6} | {'plain ms':>8} | {'draft ms':>8} | {'verify ms':>9} | {'acc+rb ms':>9} | "
-        f"{'round ms':>8} | {'÷ plain':>7} | {'verify path':>18}",
+        f"{'round ms':>8} | {'÷ plain':>7} | {'verify path':>18} | {'draft path':>11}",
     ]
     for rows, entry in result["concurrency"].items():
         for force in ("zero", "full"):
@@ -405,7 +449,7 @@ def format_spec_table(result: Mapping[str, Any]) -> str:
             lines.append(
                 f"{rows:>4} | {force:>6} | {entry['plain_step_ms']:8.3f} | {part['draft_ms']:8.3f} | "
                 f"{part['verify_ms']:9.3f} | {part['accept_rollback_ms']:9.3f} | {part['round_ms']:8.3f} | "
-                f"{entry['round_over_plain'][force]:7.3f} | {entry['verify_path']:>18}"
+                f"{entry['round_over_plain'][force]:7.3f} | {entry['verify_path']:>18} | {entry['draft_path']:>11}"
             )
         lines.append(
             f"{rows:>4} rows: plain {entry['plain_tok_s']:.1f} tok/s; PROJECTED {entry['projected_tok_s']:.1f} tok/s "

@@ -50,6 +50,30 @@ def test_forced_rounds_accept_what_they_claim(runtime, force, accepted, advance)
         rows.close()
 
 
+def test_partial_forcing_and_the_warm_up_cover_every_tail_length(runtime):
+    prompts = torch.randint(0, runtime.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    drafter = MTPDrafter(runtime, K)
+    rows = SpecRows(runtime, drafter, prompts, rounds=2 * (K + 1) + 2)
+    tails = []
+    draft = drafter.draft
+
+    def recording_draft(seqs, counts):
+        tails.append([drafter._rows[id(seq)].tail.shape[0] for seq in seqs])
+        return draft(seqs, counts)
+
+    drafter.draft = recording_draft
+    try:
+        rows.run_round(1, instrumented=False)
+        assert rows.accepted_tokens() == 2  # one draft per row
+        rows.warm_shapes()
+        assert rows.accepted_tokens() == 2 + 2 * 2 * sum(range(K + 1))
+        # after the first round (tail 2: one accepted draft and the pending token) accepting 0, 1, .., K twice and 0
+        # once more drafts every tail length 1..K+1 at least twice
+        assert [row[0] for row in tails[1:]] == [2, 1, 2, 3, 1, 2, 3] and all(len(set(row)) == 1 for row in tails)
+    finally:
+        rows.close()
+
+
 def test_report_fields_and_arithmetic(runtime):
     result = spec_bench(runtime, "tiny", draft_tokens=K, concurrency=(1, 2), context=9, rounds=1, warmup=0,
                         decode_steps=2)
@@ -63,12 +87,13 @@ def test_report_fields_and_arithmetic(runtime):
             part = entry[force]
             assert part["accepted_per_row_round"] == accepted
             assert min(part["draft_ms"], part["verify_ms"], part["round_ms"]) > 0
-            assert part["draft_ms"] + part["verify_ms"] <= part["instrumented_round_ms"]
+            assert part["draft_ms"] + part["verify_ms"] + part["forcing_ms"] <= part["instrumented_round_ms"]
             assert entry["round_over_plain"][force] == pytest.approx(part["round_ms"] / plain)
         slower = max(entry["zero"]["round_ms"], entry["full"]["round_ms"])
         assert entry["projected_tok_s"] == pytest.approx(int(rows) * expected / (slower / 1e3))
         assert entry["projected_speedup"] == pytest.approx(entry["projected_tok_s"] * plain / 1e3 / int(rows))
         assert entry["verify_path"] == "eager"  # no CUDA verify runner on the CPU
+        assert entry["draft_path"] == "generic"  # nor fused kernels
     table = format_spec_table(result)
     assert "PROJECTED" in table and "94%/86%" in table
 

@@ -19,7 +19,12 @@ One round over the decode batch:
    drafter is told which hidden states became committed and drops its own speculative state.
 
 Rollback uses ``capture_states`` rather than replay: it costs one forward, no recompute, and transient memory of
-``(k+1) x rows`` state copies per Gated-DeltaNet layer, freed after the round.
+``(k+1) x rows`` state copies per Gated-DeltaNet layer, freed after the round. Where Triton runs, restoring a row is
+one kernel launch over every layer's conv window and SSM state (``RowCopy``); elsewhere one copy per layer and kind.
+
+The round reads the verify results back once: the argmax of every position (greedy rows) and, in one more pass,
+the candidate distributions of every position of the sampled rows without penalties; only rows with penalties
+(which change with each committed token) compute a distribution per position.
 
 Host-work phases (decode class): batch building is ``engine_boundary``; drafting, the verify forward and the
 drafter's observation of committed hidden states are ``program_submit`` (the drafter's own result reads are inside
@@ -29,7 +34,8 @@ committed token is ``engine_commit_output``.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence as Seq
+import weakref
+from typing import Any, Callable, Protocol, Sequence as Seq
 
 import attrs
 import torch
@@ -43,6 +49,7 @@ from ninfer.core.engine.memory import DrafterMemory, DrafterResume
 from ninfer.core.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.runtime import CapturedStates, ForwardOutput, KVCache, ModelRuntime, RuntimeSpec, StateCache
+from ninfer.kernels.triton import triton_available
 
 
 @attrs.frozen
@@ -161,6 +168,62 @@ def target_distribution(logits: torch.Tensor, sampler: RowSampler, vocab_limit: 
     return TargetDistribution(probs=probs[0].to("cpu", torch.float64), ids=ids[0].to("cpu"))
 
 
+def sampled_distributions(
+    logits: torch.Tensor, rows: Seq[int], samplers: Seq[RowSampler], vocab_limit: int | None
+) -> list[TargetDistribution]:
+    """:func:`target_distribution` of ``logits[rows[i]]`` for samplers without penalties, in one pass and one
+    transfer."""
+    selected = logits[torch.tensor(rows, device=logits.device), :vocab_limit]
+    probs, ids = candidate_distribution(selected, samplers)
+    probs, ids = probs.to("cpu", torch.float64), ids.to("cpu")
+    return [TargetDistribution(probs=probs[i], ids=ids[i]) for i in range(len(rows))]
+
+
+class StateRollback:
+    """Puts a row's recurrent state back to the one a verify forward captured after one of its tokens.
+
+    Where Triton runs: one launch per row over every layer's conv window and SSM state (``RowCopy``), built once per
+    set of captured buffers (a verify runner hands over the same buffers every round; another forward's fresh
+    tensors get a new one). Elsewhere: one copy per layer and kind.
+    """
+
+    def __init__(self, state: StateCache) -> None:
+        self.destinations = [*state.conv, *state.ssm]
+        device = self.destinations[0].device if self.destinations else torch.device("cpu")
+        self._kernel = bool(self.destinations) and triton_available(device)
+        self._copy: Any = None
+        self._identity: tuple = ()
+
+    def restore(self, states: CapturedStates, index: int, slot: int) -> None:
+        """``state[slot] = states[index]`` for every recurrent layer."""
+        sources = [*states.conv, *states.ssm]
+        if not self._kernel:
+            for destination, source in zip(self.destinations, sources):
+                destination[slot].copy_(source[index])
+            return
+        self._row_copy(sources)(index, slot)
+
+    def _row_copy(self, sources: list[torch.Tensor]) -> Any:
+        """The cached ``RowCopy`` when ``sources`` are the buffers it was built for, else a new one.
+
+        Identity: the first and last tensor of each kind, by the live object they view (held weakly, so a freed
+        buffer never matches) and by address; buffers are allocated together, so their ends identify them.
+        """
+        half = len(sources) // 2
+        ends = (sources[0], sources[half - 1], sources[half], sources[-1])
+        identity = tuple((end.data_ptr(), end.stride(0)) for end in ends) + (len(sources),)
+        roots = [end if end._base is None else end._base for end in ends]
+        if self._copy is not None and identity == self._identity[0] and all(
+            ref() is root for ref, root in zip(self._identity[1], roots)
+        ):
+            return self._copy
+        from ninfer.kernels.triton.row_copy import RowCopy  # here: CPU-only installs lack triton
+
+        self._copy = RowCopy(sources, self.destinations)
+        self._identity = (identity, [weakref.ref(root) for root in roots])
+        return self._copy
+
+
 @attrs.frozen
 class _RowPlan:
     seq: Sequence
@@ -190,6 +253,7 @@ class SpeculativeRound:
         self.vocab_limit = vocab_limit
         self.device = runtime.spec.device
         self.host_work = host_work
+        self.rollback = StateRollback(state)
 
     def draft_count(self, seq: Sequence) -> int:
         """How many tokens ``seq`` drafts this round (0: a fallback step)."""
@@ -231,18 +295,34 @@ class SpeculativeRound:
         now = clock()
         limited = output.logits[:, : self.vocab_limit] if self.vocab_limit is not None else output.logits
         argmax = limited.argmax(dim=-1).tolist()  # one device sync for every unpenalized greedy position
+        targets = self._sampled_targets(plans, output.logits)
         features = observed_features(self.drafter, output)
         for plan in plans:
-            finish = self._settle(plan, output.logits, argmax, features, output.states, now)
+            finish = self._settle(plan, output.logits, argmax, targets, features, output.states, now)
             if finish is not None:
                 finished.append((plan.seq, finish))
         return finished
+
+    def _sampled_targets(self, plans: Seq[_RowPlan], logits: torch.Tensor) -> dict[int, TargetDistribution]:
+        """The target distribution at every verified position (flat index) of the sampled rows without penalties."""
+        positions: list[int] = []
+        samplers: list[RowSampler] = []
+        for plan in plans:
+            sampler = plan.seq.sampler
+            if not sampler.greedy and sampler.penalty is None:
+                base = plan.offset + plan.pending - 1
+                positions.extend(range(base, base + len(plan.draft.tokens) + 1))
+                samplers.extend([sampler] * (len(plan.draft.tokens) + 1))
+        if not positions:
+            return {}
+        return dict(zip(positions, sampled_distributions(logits, positions, samplers, self.vocab_limit)))
 
     def _settle(
         self,
         plan: _RowPlan,
         logits: torch.Tensor,
         argmax: list[int],
+        targets: dict[int, TargetDistribution],
         hidden: torch.Tensor | None,
         states: CapturedStates,
         now: float,
@@ -256,10 +336,12 @@ class SpeculativeRound:
         finish: Finish | None = None
         for position in range(len(drafted) + 1):
             work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
-            if seq.sampler.greedy and seq.sampler.penalty is None:
-                target = TargetDistribution(argmax=argmax[base + position])
-            else:
-                target = target_distribution(logits[base + position], seq.sampler, self.vocab_limit)
+            index = base + position
+            target = targets.get(index)
+            if target is None and seq.sampler.penalty is None:
+                target = TargetDistribution(argmax=argmax[index])  # a greedy row
+            elif target is None:  # penalties follow the tokens committed so far
+                target = target_distribution(logits[index], seq.sampler, self.vocab_limit)
             if position < len(drafted):
                 proposal = plan.draft.proposals[position] if plan.draft.proposals is not None else None
                 verdict = decide(target, drafted[position], seq.sampler.generator, proposal)
@@ -283,7 +365,8 @@ class SpeculativeRound:
         seq.fed = old_fed + plan.pending + verified
         seq.last_logits, seq.last_logits_at = logits[last], seq.fed
         if last != plan.offset + plan.pending + len(drafted) - 1:
-            self._restore_state(seq, states, last)
+            assert seq.slot is not None
+            self.rollback.restore(states, last, seq.slot)
         if hidden is not None:
             work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
             self.drafter.observe(seq, old_fed, hidden[plan.offset : last + 1])
@@ -298,12 +381,6 @@ class SpeculativeRound:
         while count < len(drafted) and start + count < len(seq.tokens) and seq.tokens[start + count] == drafted[count]:
             count += 1
         return count
-
-    def _restore_state(self, seq: Sequence, states: CapturedStates, index: int) -> None:
-        assert seq.slot is not None
-        for cache, captured in ((self.state.conv, states.conv), (self.state.ssm, states.ssm)):
-            for layer, tensor in zip(cache, captured):
-                layer[seq.slot].copy_(tensor[index])
 
     @staticmethod
     def _count_accept(seq: Sequence, position: int) -> None:

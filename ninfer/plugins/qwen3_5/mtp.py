@@ -5,9 +5,9 @@ full-attention decoder layer with its own paged KV, ``mtp.norm`` and the trunk's
 are shared with the trunk. Feed the trunk's final-normed hidden state at position t with token t+1 (at position t);
 the returned hidden state (after ``mtp.norm``) feeds the next chained step.
 
-On CUDA the chained steps (one token per row) can run through the decode path's fused Triton kernels
-(:meth:`Qwen35MTP.decode_step`): device-resident inputs and outputs, no host sync, the greedy proposal taken on the
-device, so k chained steps cost k launches' worth of GPU time and one transfer at the end.
+On CUDA a step runs through the decode path's fused Triton kernels (:meth:`Qwen35MTP.fused_step`, one or a few
+tokens per row): device-resident inputs and outputs, no host sync, the greedy proposal taken on the device, so a
+draft's chained steps can be captured as one CUDA graph (:mod:`ninfer.plugins.qwen3_5.mtp_graph`) and read back once.
 """
 
 from __future__ import annotations
@@ -160,25 +160,29 @@ class Qwen35MTP:
         return self._fused
 
     @torch.no_grad()
-    def decode_step(
+    def fused_step(
         self,
         runner: "DecodeGraphRunner",
         token_ids: torch.Tensor,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        context_lens: torch.Tensor,
         page_tables: torch.Tensor,
         kv: KVCache,
         head: torch.Tensor,
         *,
+        tokens_per_row: int = 1,
         step: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP step of one token per row through the fused decode kernels, without a host sync.
+        """One MTP step of ``q = tokens_per_row`` tokens per row through the fused kernels, without a host sync.
 
-        ``token_ids [R]`` and ``positions [R]`` (int64: each row's token and its position; the row's MTP KV holds
-        the positions before it), ``hidden [R, H]`` and ``page_tables [R, P]`` live on the device; ``runner`` (the
-        trunk's decode runner, same config) supplies the feed-forward block (dense or MoE). Writes the step's KV into
-        ``kv`` and returns the greedy proposal ``argmax(out @ head^T) [R]`` and the post-norm hidden ``out [R, H]``,
-        both on the device.
+        Row r's tokens sit at positions ``context_lens[r] .. context_lens[r] + q - 1`` (its MTP KV holds the
+        positions before them): ``token_ids [R*q]`` (the next tokens) and ``hidden [R*q, H]`` (the matching trunk or
+        MTP hidden states), row after row; ``context_lens [R]`` (int64) and ``page_tables [R, P]`` live on the device.
+        ``runner`` (the trunk's decode runner, same config) supplies the attention query and the feed-forward block
+        (dense or MoE). Writes the KV of every token into ``kv``; only each row's last token is carried on (its
+        attention over the row's whole MTP KV, feed-forward block and norm: the single MTP layer's other outputs
+        feed nothing). Returns, for each row's last token, the greedy proposal ``argmax(out @ head^T) [R]`` and the
+        post-norm hidden state ``out [R, H]``, both on the device.
         """
         from ninfer.kernels.triton.attention import paged_attention_decode
         from ninfer.kernels.triton.norms import add_rms_norm
@@ -189,19 +193,23 @@ class Qwen35MTP:
         layer, projections, weights = self.weights.layers[index], fused[index], self.weights
         attention: FullAttentionWeights = layer.mixer  # type: ignore[assignment]
         key_cache, value_cache = kv.key[index], kv.value[index]
-        eps = config.rms_norm_eps
+        eps, rows, q = config.rms_norm_eps, context_lens.shape[0], tokens_per_row
         _, embedded = add_rms_norm(F.embedding(token_ids, model.embed_tokens), None, weights.pre_fc_norm_embedding, eps)
         _, previous = add_rms_norm(hidden, None, weights.pre_fc_norm_hidden, eps)
         x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
         _, normed = add_rms_norm(x, None, layer.input_layernorm, eps)
         page_size = kv.page_size
-        pages = page_tables.gather(1, (positions // page_size)[:, None]).squeeze(1).long()
+        positions = context_lens[:, None] + torch.arange(q, device=context_lens.device)  # [R, q]
+        pages = page_tables.gather(1, positions // page_size).long()
+        positions, slots = positions.reshape(-1), (pages * page_size + positions % page_size).reshape(-1)
         query, gate = runner.attention_query(
-            attention, projections, normed, positions.expand(3, -1), pages * page_size + positions % page_size,
-            key_cache, value_cache,
-        )
+            attention, projections, normed, positions.expand(3, -1), slots, key_cache, value_cache
+        )  # writes the KV of every token; only each row's last token goes on
+        if q > 1:
+            last = torch.arange(rows, device=x.device) * q + (q - 1)
+            query, gate, x = query[last], gate[last], x[last]
         attended = paged_attention_decode(
-            query, key_cache, value_cache, page_tables, positions + 1, scale=config.head_dim**-0.5, gate=gate
+            query, key_cache, value_cache, page_tables, context_lens + q, scale=config.head_dim**-0.5, gate=gate
         )
         x, normed = add_rms_norm(F.linear(attended, attention.o_proj), x, layer.post_attention_layernorm, eps)
         _, out = add_rms_norm(runner.feed_forward(layer, projections, normed), x, weights.norm, eps)

@@ -16,12 +16,17 @@ as its tail (ready at once) and writes entry ``n - 1`` into a private copy of th
 Only a sequence whose MTP KV is complete from position 0 can vouch for its pages; one restored from a checkpoint
 without a snapshot skips entry ``n - 1`` (acceptance may dip, outputs cannot change) and takes no snapshots.
 
+With the trunk's CUDA decode runner, rows whose tails have the same length (1..k+1 positions: a round's pending
+token plus its accepted drafts) and that draft the same number of tokens draft in one chain on the fused kernels,
+captured as a CUDA graph per shape (:mod:`ninfer.plugins.qwen3_5.mtp_graph`); other batches write their tails on the
+generic path and chain the remaining steps on the fused kernels. On the CPU every step is generic.
+
 ``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary (:mod:`ninfer.plugins.qwen3_5.draft_head`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 import attrs
 import torch
@@ -31,9 +36,12 @@ from ninfer.core.engine.batching import page_table, text_positions
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.core.errors import ConfigError
-from ninfer.core.runtime import KVCache
+from ninfer.core.runtime import ForwardBatch, KVCache
 from ninfer.plugins.qwen3_5.draft_head import draft_head
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
+
+if TYPE_CHECKING:
+    from ninfer.plugins.qwen3_5.mtp_graph import MTPDraftRunner
 
 #: Tail length above which committed positions are written to the MTP KV right away (long prefills).
 _EAGER_WRITE = 64
@@ -79,6 +87,17 @@ class MTPDrafter:
         self._head = draft_head(runtime.model, lm_head_draft)
         self._kv: KVCache | None = None
         self._rows: dict[int, _RowState] = {}
+        self._fused: MTPDraftRunner | None = None
+        if runtime.decoder is not None:
+            from ninfer.plugins.qwen3_5.mtp_graph import MTPDraftRunner  # here: CPU-only installs lack triton
+
+            # a round's tail is the pending token's position plus the accepted drafts: 1..k+1 positions
+            self._fused = MTPDraftRunner(self.mtp, runtime.decoder, self._head, max_tokens_per_row=draft_tokens + 1)
+
+    @property
+    def fused_runner(self) -> "MTPDraftRunner | None":
+        """The fused-kernel draft runner (with the trunk's CUDA decode runner), else None."""
+        return self._fused
 
     # -- engine hooks ----------------------------------------------------------------------------------
 
@@ -87,6 +106,9 @@ class MTPDrafter:
         return self.mtp.spec.kv_bytes_per_token()
 
     def bind(self, num_pages: int, page_size: int) -> list[KVCache]:
+        if self._fused is not None:
+            self._fused.reset()  # graphs bound to the previous KV
+        self._kv = None  # free the previous KV first
         self._kv = KVCache.allocate(self.mtp.spec, num_pages, page_size)
         return [self._kv]
 
@@ -126,10 +148,12 @@ class MTPDrafter:
 
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
         states = [self._rows[id(seq)] for seq in rows]
+        uniform = len(set(counts)) == 1 and len({_tail_length(state) for state in states}) == 1
+        if self._fused is not None and uniform and self._fused.supports(len(rows), _tail_length(states[0])):
+            return self._draft_fused(rows, states, counts[0], self._fused)
         logits, hidden = self._write_tail(rows, states, keep_last=False)
-        decoder = self.runtime.decoder
-        if decoder is not None and len(set(counts)) == 1:
-            return self._draft_on_device(rows, counts[0], logits.argmax(dim=-1), hidden, decoder)
+        if self._fused is not None and len(set(counts)) == 1:
+            return self._chain_on_device(rows, counts[0], logits.argmax(dim=-1), hidden)
         tokens = [[int(token)] for token in logits.argmax(dim=-1).tolist()]
         for step in range(1, max(counts)):
             active = [index for index, count in enumerate(counts) if count > step]
@@ -150,19 +174,49 @@ class MTPDrafter:
             hidden[active] = out
         return [Draft(tuple(row_tokens[:count])) for row_tokens, count in zip(tokens, counts)]
 
-    def _draft_on_device(
-        self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor, decoder: Any
+    def _draft_fused(
+        self, rows: Seq[Sequence], states: Seq[_RowState], count: int, runner: "MTPDraftRunner"
     ) -> list[Draft]:
-        """Steps 2..count for rows that all draft ``count`` tokens, chained on the device through the fused decode
-        kernels (``Qwen35MTP.decode_step``); one transfer brings every proposal back at the end."""
+        """Rows whose tails all have q positions and which all draft ``count`` tokens: the whole draft on the fused
+        kernels (one CUDA graph per shape), one staged input copy and one transfer of the proposals."""
+        assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
+        token_ids: list[int] = []
+        positions: list[int] = []
+        tails = []
+        for seq, state in zip(rows, states):
+            assert state.tail is not None
+            q = state.tail.shape[0]
+            token_ids.extend(seq.tokens[state.tail_start + 1 : state.tail_start + 1 + q])
+            positions.extend(range(state.tail_start, state.tail_start + q))
+            tails.append(state.tail)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=text_positions(positions),
+            query_lens=[q] * len(rows),
+            context_lens=[state.tail_start for state in states],
+            page_tables=page_table(rows),
+            state_slots=torch.zeros(len(rows), dtype=torch.int64),  # the MTP keeps no recurrent state
+        )
+        proposals = runner.draft(batch, tails, self._kv, count).tolist()
+        for state in states:
+            state.tail_start += q
+            state.tail = None
+        return [Draft(tuple(row)) for row in proposals]
+
+    def _chain_on_device(
+        self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor
+    ) -> list[Draft]:
+        """Steps 2..count after a first step of mixed tails, for rows that all draft ``count`` tokens, chained on the
+        device through the fused kernels; one transfer brings every proposal back at the end."""
         assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
         device = hidden.device
         proposals = [first]
         if count > 1:
+            decoder = self.runtime.decoder
             tables = _staged(page_table(rows), device)
             fed = _staged(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
             for step in range(1, count):  # step s feeds draft s at position fed + s - 1
-                token, hidden = self.mtp.decode_step(
+                token, hidden = self.mtp.fused_step(
                     decoder, proposals[-1], hidden, fed + (step - 1), tables, self._kv, self._head, step=step
                 )
                 proposals.append(token)
@@ -221,6 +275,10 @@ class MTPDrafter:
         last = torch.tensor(query_lens, device=out.device).cumsum(0) - 1
         selected = out[last]
         return F.linear(selected, self._head).float(), selected
+
+
+def _tail_length(state: _RowState) -> int:
+    return 0 if state.tail is None else state.tail.shape[0]
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
