@@ -24,7 +24,9 @@ def open_tiny(path: Any, registries: Any) -> Iterator[tuple[Any, Any, Any]]:
 
 def make_engine(tiny: tuple[Any, Any, Any], drafter: Any = None, **options: Any) -> Engine:
     artifact, runtime, tokenizer = tiny
-    config = dict(max_concurrency=4, max_context=MAX_CONTEXT, pending_timeout_ms=None)
+    # the KV pool sized as on CPU: "auto" on CUDA takes the free device memory, which an earlier engine of the same
+    # process may still hold in torch's caching allocator
+    config = dict(max_concurrency=4, max_context=MAX_CONTEXT, kv_capacity=4 * MAX_CONTEXT, pending_timeout_ms=None)
     config.update(options)
     return Engine(
         runtime, EngineConfig(**config), tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest),

@@ -306,7 +306,7 @@ def test_verify_graphs_are_captured_again_after_the_state_buffers_grow():
     assert decoder.captured(3)
 
 
-def test_verify_runner_takes_only_uniform_verify_batches():
+def test_verify_runner_takes_verify_batches_only():
     reference, model, fused = _runtimes("tiny")
     runner = VerifyGraphRunner(model, fused, use_graphs=False)
     caches = Caches(reference, 2)
@@ -319,11 +319,11 @@ def test_verify_runner_takes_only_uniform_verify_batches():
         return made
 
     assert runner.supports(batch([3, 3]))
-    assert not runner.supports(batch([3, 2]))  # a fallback row or a shorter draft: the generic path
-    assert not runner.supports(batch([1, 1]))  # plain decode
+    assert runner.supports(batch([3, 2]))  # a fallback row or a shorter draft: padded (tests/test_verify_ragged.py)
+    assert runner.supports(batch([1, 1]))  # every row a fallback step
     assert not runner.supports(batch([3, 3], capture_states=False))
     assert not runner.supports(batch([3, 3], logits="last"))
-    assert not runner.supports(batch([3, 3], capture_layers=(1,)))
+    assert runner.supports(batch([3, 3], capture_layers=(1,)))  # DFlash's target features
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
@@ -349,6 +349,6 @@ def test_runtime_sends_uniform_verify_batches_to_the_verify_runner(cuda_graphs, 
     for _ in range(2):  # eager warm-up and capture, then a replay
         output = runtime.forward(caches.batch([0, 1], [[3, 4, 5], [6, 7, 8]], verify=True), caches.kv, caches.state)
         assert output.logits.shape == (6, config["vocab_size"]) and len(output.states.ssm) == 3
-    runtime.forward(caches.batch([0, 1], [[3, 4], [6, 7, 8]], verify=True), caches.kv, caches.state)  # not uniform
-    assert taken == [[3, 3], [3, 3]]
+    runtime.forward(caches.batch([0, 1], [[3, 4], [6, 7, 8]], verify=True), caches.kv, caches.state)  # ragged: padded
+    assert taken == [[3, 3], [3, 3], [2, 3]]
     assert bool(verifier.captured_verify(2, 3)) == (CUDA and cuda_graphs)

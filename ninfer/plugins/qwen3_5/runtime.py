@@ -59,7 +59,7 @@ class Qwen35Runtime:
     """The hybrid Gated-DeltaNet trunk plus, when the artifact carries it, the MTP drafter (``mtp``)."""
 
     def __init__(self, model: Qwen35Model, mtp: Qwen35MTP | None, decoder: "DecodeGraphRunner | None" = None) -> None:
-        """With ``decoder`` (the CUDA decode path: Triton kernels, CUDA graphs) the runtime also verifies uniform
+        """With ``decoder`` (the CUDA decode path: Triton kernels, CUDA graphs) the runtime also verifies
         speculative batches through the CUDA verify runner and runs every other batch through the Triton traversal;
         without it (CPU) every batch takes the reference traversal."""
         self.model = model
@@ -82,8 +82,8 @@ class Qwen35Runtime:
         ``logits``/``hidden`` are per row for "last" and per token for "all"; with "none" there are no logits and
         ``hidden`` (if asked for) is per token. ``states`` holds the recurrent state after every new token when
         ``capture_states`` is set (from the CUDA verify runner: views of its buffers, valid until its next forward).
-        Pure decode batches take the decode runner, uniform verify batches the verify runner, every other batch one
-        ``Qwen35Model.run``: the Triton traversal alongside the decode runner, else the reference traversal.
+        Pure decode batches take the decode runner, verify batches (ragged ones padded) the verify runner, every
+        other batch one ``Qwen35Model.run``: the Triton traversal alongside the decode runner, else the reference one.
         """
         self._check(batch, kv, state)
         if self.decoder is not None and not batch.capture_layers and self.decoder.supports(batch):
