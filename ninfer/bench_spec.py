@@ -320,8 +320,7 @@ def build_spec_runtime(
     tensors = random_text_weights(config_dict, device=target, dtype=dtype, seed=seed)
     tensors.update(random_mtp_weights(config_dict, device=target, dtype=dtype, seed=seed))
     source = InMemorySource(name, config_dict, tensors)
-    runtime = build_runtime(source, dtype=dtype, device=target, cuda_graphs=cuda_graphs)
-    return runtime
+    return build_runtime(source, dtype=dtype, device=target, cuda_graphs=cuda_graphs)
 
 
 def spec_bench(

@@ -179,7 +179,7 @@ def check(
         inputs = DecodeInputs(len(CONTEXTS), PAGES_PER_ROW, device, q=1)
         inputs.load(single.batch(step, verify=True))
         buffers = verifier._state_buffers(single.state, len(CONTEXTS))
-        hidden, logits = verifier.verify_step(inputs, single.kv, single.state, buffers)
+        hidden, logits = verifier.verify_step(inputs, single.kv, single.state, buffers, None, {})
     result["verify_q1_vs_decode"] = {
         "logits": rel_err(logits, got.logits),
         "hidden": rel_err(hidden, got.hidden),

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import attrs
 import torch
@@ -354,18 +354,29 @@ def print_tables(result: dict) -> None:
             print(f"gated delta step, rows={rows}: " + ", ".join(f"{k} {v['us']:.2f} us" for k, v in gdn.items()))
     step = result.get("step", {})
     for rows in ROWS:
-        if f"roofline_ms_{rows}" in step:
-            print(f"decode step rows={rows} (roofline {step[f'roofline_ms_{rows}']:.3f} ms):")
-            for label in STEP_VARIANTS:
-                entry = step.get(f"{label} rows={rows}")
-                if entry:
-                    print(f"  {label:<28} graphs back to back {entry['replay_ms']:.3f} ms "
-                          f"({entry['replay_of_roofline']:.1%} of roofline), bench step {entry['step_ms']:.3f} ms")
+        print_step_variants(f"decode step rows={rows}", step, rows, STEP_VARIANTS, width=28)
+    print_kernel_profile(step, top=14)
+
+
+def print_step_variants(heading: str, step: dict, rows: int, labels: Iterable[str], width: int) -> None:
+    """The ``whole_step`` timings of the step variants ``labels`` at ``rows`` rows, if measured."""
+    if f"roofline_ms_{rows}" not in step:
+        return
+    print(f"{heading} (roofline {step[f'roofline_ms_{rows}']:.3f} ms):")
+    for label in labels:
+        entry = step.get(f"{label} rows={rows}")
+        if entry:
+            print(f"  {label:<{width}} graphs back to back {entry['replay_ms']:.3f} ms "
+                  f"({entry['replay_of_roofline']:.1%} of roofline), bench step {entry['step_ms']:.3f} ms")
+
+
+def print_kernel_profile(step: dict, top: int) -> None:
+    """The ``top`` kernels of ``whole_step``'s batch-1 profile, if taken."""
     profile_entry = step.get("profile_rows_1")
     if profile_entry:
         kernels = profile_entry["kernels"]
         print(f"kernels of one batch-1 step ({profile_entry['variant']}), {sum(k['us'] for k in kernels):.0f} us:")
-        for row in kernels[:14]:
+        for row in kernels[:top]:
             print(f"  {row['us']:7.1f} us x{row['calls']:<4.0f} {row['kernel'][:70]}")
 
 

@@ -18,8 +18,6 @@ Usage (CUDA machine, repo root): ``python scripts/gpu_mtp_check.py OUT_DIR [PRES
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_spec_bench import rel_err, run_tests
 
 from ninfer.bench_spec import bench_sequence, build_spec_runtime, format_spec_table, spec_bench
 from ninfer.core.engine.batching import build_batch
@@ -39,23 +38,6 @@ from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
 
 TESTS = ["tests/test_mtp_fused.py", "tests/test_speculative_rollback.py"]
 PAGE_SIZE = 16
-
-
-def run_tests(out: Path) -> int:
-    started = time.perf_counter()
-    with open(out / "mtp_tests.log", "w") as log:
-        status = subprocess.call(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], stdout=log,
-            stderr=subprocess.STDOUT, timeout=100, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    tail = (out / "mtp_tests.log").read_text().strip().splitlines()[-8:]
-    print(f"MTP GPU tests exit {status} ({time.perf_counter() - started:.0f} s)", *tail, sep="\n", flush=True)
-    return status
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def draft_agreement(runtime: Qwen35Runtime, k: int, rows: int = 2, context: int = 160) -> dict[str, dict[str, Any]]:
@@ -101,7 +83,7 @@ def draft_agreement(runtime: Qwen35Runtime, k: int, rows: int = 2, context: int 
             fused, reference = (drafter.draft(seqs, [k] * rows) for drafter in drafters)
             equal += sum(a == b for f, r in zip(fused, reference) for a, b in zip(f.tokens, r.tokens))
             total += rows * k
-            errors.append(_rel_err(drafters[0]._kv.key[0], drafters[1]._kv.key[0]))
+            errors.append(rel_err(drafters[0]._kv.key[0], drafters[1]._kv.key[0]))
         runner = drafters[0].fused_runner
         result[str(q)] = {"equal_proposals": equal / total, "kv_rel_err": max(errors),
                           "captured": runner is not None and (rows, q, k) in runner.captured()}
@@ -156,7 +138,7 @@ def main(out_dir: str, *args: str) -> int:
         else:
             name = arg
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    status = run_tests(out) if tests else 0
+    status = run_tests(out, TESTS, "mtp_tests.log", timeout=100) if tests else 0
     started = time.perf_counter()
     runtime = build_spec_runtime(name)
     print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)

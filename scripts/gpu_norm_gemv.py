@@ -31,7 +31,7 @@ from typing import Callable
 import attrs
 import torch
 import torch.nn.functional as F
-from gpu_moe_tune import graph_us, profile_step
+from gpu_moe_tune import graph_us, print_kernel_profile, print_step_variants, profile_step
 
 from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
 from ninfer.kernels.triton import moe_grouped, norm_gemv
@@ -316,22 +316,10 @@ def print_tables(result: dict) -> None:
     for name in MODELS:
         step = result.get("step", {}).get(name, {})
         for rows in ROWS:
-            if f"roofline_ms_{rows}" not in step:
-                continue
-            print(f"{name} decode step, {rows} row(s) (roofline {step[f'roofline_ms_{rows}']:.3f} ms):")
-            for label in STEP_VARIANTS:
-                entry = step.get(f"{label} rows={rows}")
-                if entry:
-                    print(f"  {label:<40} graphs back to back {entry['replay_ms']:.3f} ms "
-                          f"({entry['replay_of_roofline']:.1%} of roofline), bench step {entry['step_ms']:.3f} ms")
+            print_step_variants(f"{name} decode step, {rows} row(s)", step, rows, STEP_VARIANTS, width=40)
         if step.get("tiles"):
             print(f"  tuned tiles: {json.dumps(step['tiles'])}")
-        profile_entry = step.get("profile_rows_1")
-        if profile_entry:
-            kernels = profile_entry["kernels"]
-            print(f"kernels of one batch-1 step ({profile_entry['variant']}), {sum(k['us'] for k in kernels):.0f} us:")
-            for row in kernels[:16]:
-                print(f"  {row['us']:7.1f} us x{row['calls']:<4.0f} {row['kernel'][:70]}")
+        print_kernel_profile(step, top=16)
 
 
 def main(out_dir: str, *flags: str) -> int:

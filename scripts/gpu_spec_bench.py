@@ -46,22 +46,22 @@ TESTS = [
 ]
 
 
-def run_tests(out: Path, tests: list[str]) -> int:
-    """The GPU tests in a child process (log in ``tests.log``); returns pytest's exit status."""
+def run_tests(out: Path, tests: list[str], log_name: str = "tests.log", timeout: float = 240) -> int:
+    """The GPU tests in a child process (log in ``OUT_DIR/log_name``); returns pytest's exit status."""
     if not tests:
         return 0
     started = time.perf_counter()
-    with open(out / "tests.log", "w") as log:
+    with open(out / log_name, "w") as log:
         status = subprocess.call(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], stdout=log,
-            stderr=subprocess.STDOUT, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    tail = (out / "tests.log").read_text().strip().splitlines()[-12:]
+    tail = (out / log_name).read_text().strip().splitlines()[-12:]
     print(f"GPU tests exit {status} ({time.perf_counter() - started:.0f} s)", *tail, sep="\n", flush=True)
     return status
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -103,13 +103,13 @@ def _fused_vs_generic(runtime: Any, batch: ForwardBatch, kv: KVCache, state: Sta
             ref = runtime.forward(batch, kv, state)
         finally:
             runtime.decoder, runtime.verifier = decoder, verifier
-    errors = {"logits": _rel_err(ours.logits, ref.logits), "hidden": _rel_err(ours.hidden, ref.hidden)}
+    errors = {"logits": rel_err(ours.logits, ref.logits), "hidden": rel_err(ours.hidden, ref.hidden)}
     if ours_states:
         errors["token_states"] = max(
-            _rel_err(a, b) for a, b in zip(ours_states, (*ref.states.conv, *ref.states.ssm))
+            rel_err(a, b) for a, b in zip(ours_states, (*ref.states.conv, *ref.states.ssm))
         )
     errors["caches"] = max(
-        _rel_err(a, b) for a, b in zip((*ours_kv.key, *ours_state.conv, *ours_state.ssm),
+        rel_err(a, b) for a, b in zip((*ours_kv.key, *ours_state.conv, *ours_state.ssm),
                                        (*kv.key, *state.conv, *state.ssm))
     )
     return errors

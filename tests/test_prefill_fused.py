@@ -387,7 +387,7 @@ def test_a_runtime_without_the_decode_runner_keeps_the_reference_traversal(monke
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 @pytest.mark.usefixtures("seeded")
 def test_a_runtime_with_the_decode_runner_prefills_through_the_triton_traversal(monkeypatch, cuda_graphs):
-    """No opt-in: the load path's decode runner brings the Triton traversal and the verify runner, graphs or not."""
+    """The load path's decode runner brings the Triton traversal and the verify runner, graphs or not."""
     from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # imported here: CPU installs lack triton
 
     config = _config("tiny")

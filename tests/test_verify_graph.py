@@ -2,8 +2,8 @@
 
 The kernels are checked against their pure-torch twins, the whole verify forward (logits, hidden states, the state
 after every token, the caches it leaves) against the reference runtime, and a runtime with the decode runner sends
-uniform verify batches to the verify runner by default. Runs on CUDA (graphs on and off); without a GPU it runs the
-eager kernels in Triton's CPU interpreter when ``TRITON_INTERPRET=1``, otherwise it is skipped.
+its verify batches to the verify runner. Runs on CUDA (graphs on and off); without a GPU it runs the eager kernels
+in Triton's CPU interpreter when ``TRITON_INTERPRET=1``, otherwise it is skipped.
 """
 
 from __future__ import annotations
@@ -306,29 +306,9 @@ def test_verify_graphs_are_captured_again_after_the_state_buffers_grow():
     assert decoder.captured(3)
 
 
-def test_verify_runner_takes_verify_batches_only():
-    reference, model, fused = _runtimes("tiny")
-    runner = VerifyGraphRunner(model, fused, use_graphs=False)
-    caches = Caches(reference, 2)
-
-    def batch(lens, **changes):
-        made = caches.batch([0, 1], [[1] * n for n in lens], verify=True)
-        caches.lengths = [0, 0]
-        for name, value in changes.items():
-            setattr(made, name, value)
-        return made
-
-    assert runner.supports(batch([3, 3]))
-    assert runner.supports(batch([3, 2]))  # a fallback row or a shorter draft: padded (tests/test_verify_ragged.py)
-    assert runner.supports(batch([1, 1]))  # every row a fallback step
-    assert not runner.supports(batch([3, 3], capture_states=False))
-    assert not runner.supports(batch([3, 3], logits="last"))
-    assert runner.supports(batch([3, 3], capture_layers=(1,)))  # DFlash's target features
-
-
 @pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_runtime_sends_uniform_verify_batches_to_the_verify_runner(cuda_graphs, monkeypatch):
-    """By default (no opt-in) wherever the runtime has the decode runner; eager under ``--no-cuda-graph``."""
+def test_runtime_sends_verify_batches_to_the_verify_runner(cuda_graphs, monkeypatch):
+    """Wherever the runtime has the decode runner; eager under ``--no-cuda-graph``."""
     config = preset_config("tiny")
     if CUDA:  # the load path (``accelerate``) builds the decode runner
         tensors = random_text_weights(config, device=DEVICE, dtype=DTYPE, seed=5)

@@ -270,8 +270,7 @@ def route_experts(
 
     ``workspace``: see ``moe_workspace`` (a fresh one if None).
     """
-    routing, _ = _route(x, None, None, 0.0, router, top_k, shared_expert_gate, workspace, tiles)
-    return routing
+    return _route(x, None, None, 0.0, router, top_k, shared_expert_gate, workspace, tiles)[0]
 
 
 def route_experts_add_norm(
@@ -297,10 +296,7 @@ def route_experts_add_norm(
         raise ValueError(f"pending must be [{tokens}, {width}] with contiguous rows; got {tuple(pending.shape)}")
     if norm_weight.shape != (width,) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
-    routing, (new_hidden, normed) = _route(
-        hidden, pending, norm_weight, eps, router, top_k, shared_expert_gate, workspace, tiles
-    )
-    return routing, new_hidden, normed
+    return _route(hidden, pending, norm_weight, eps, router, top_k, shared_expert_gate, workspace, tiles)
 
 
 def _route(
@@ -313,9 +309,9 @@ def _route(
     shared_expert_gate: torch.Tensor | None,
     workspace: torch.Tensor | None,
     tiles: MoETiles | None,
-) -> tuple[Routing, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[Routing, torch.Tensor, torch.Tensor]:
     """Launch the router over ``x``, or with ``norm_weight`` over the add+norm of ``x`` (the residual stream) and
-    ``pending``; returns the routing and ``(new hidden, normed)`` (``(x, x)`` without the norm)."""
+    ``pending``; returns ``(routing, new hidden, normed)`` (``x`` for both without the norm)."""
     tokens, hidden = x.shape
     num_experts = router.shape[0]
     if not 1 <= tokens <= MAX_TOKENS or x.stride(1) != 1:
@@ -356,7 +352,7 @@ def _route(
         BLOCK_E=next_power_of_2(num_experts), HAS_GATE=has_gate, NORM=norm, HAS_PENDING=has_pending, PDL=tiles.pdl,
         num_warps=tiles.router_warps, **launch_options(tiles.pdl),
     )
-    return routing, (new_hidden, normed)
+    return routing, new_hidden, normed
 
 
 @triton.jit

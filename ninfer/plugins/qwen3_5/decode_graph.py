@@ -325,30 +325,21 @@ class DecodeGraphRunner:
     ) -> torch.Tensor:
         """The GDN mixer from its fused input projection; ``fold_norm``: the gated output norm inside the out GEMV."""
         config = self.config
-        qkv, z, b, a = self._split_gated_deltanet_inputs(projected)
+        qkv, z, b, a = self.gated_deltanet_inputs(projected)
         mixed = causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
-        if fold_norm:
-            core, _ = fused_recurrent_gated_delta(
-                mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
-                key_heads=config.linear_num_key_heads, value_split=self.gdn_value_split,
-            )
-            return gated_norm_gemv(core, z, weights.norm, weights.out_proj, config.rms_norm_eps)
+        output_norm = {} if fold_norm else dict(z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps)
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
-            key_heads=config.linear_num_key_heads, z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps,
-            value_split=self.gdn_value_split,
+            key_heads=config.linear_num_key_heads, value_split=self.gdn_value_split, **output_norm,
         )
+        if fold_norm:
+            return gated_norm_gemv(core, z, weights.norm, weights.out_proj, config.rms_norm_eps)
         return F.linear(core.view(projected.shape[0], config.linear_value_dim), weights.out_proj)
 
     def gated_deltanet_inputs(
-        self, fused: FusedProjections, normed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fused GDN entry GEMM split into its (strided) views: ``(qkv, z, b, a)``."""
-        return self._split_gated_deltanet_inputs(F.linear(normed, fused.mixer_in))
-
-    def _split_gated_deltanet_inputs(
         self, projected: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The strided views ``(qkv, z, b, a)`` of the fused GDN entry projection ``normed @ mixer_in^T``."""
         config = self.config
         conv_dim, value_dim, value_heads = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
         z = projected[:, conv_dim : conv_dim + value_dim]
@@ -358,26 +349,14 @@ class DecodeGraphRunner:
     def attention_query(
         self,
         weights: FullAttentionWeights,
-        fused: FusedProjections,
-        normed: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused q/gate/k/v GEMM, q/k norms + RoPE with the new K/V written: ``(query, output gate view)``."""
-        projected = F.linear(normed, fused.mixer_in)
-        return self._query_from_projection(weights, projected, positions, slot_mapping, key_cache, value_cache)
-
-    def _query_from_projection(
-        self,
-        weights: FullAttentionWeights,
         projected: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the fused q/gate/k/v projection (``normed @ mixer_in^T``): q/k norms + RoPE with the new K/V written;
+        returns ``(query, output gate view)``."""
         config, model = self.config, self.model
         heads, dim = config.num_attention_heads, config.head_dim
         query = qk_norm_rope_write_kv(
@@ -396,9 +375,7 @@ class DecodeGraphRunner:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        query, gate = self._query_from_projection(
-            weights, projected, inputs.positions, slot_mapping, key_cache, value_cache
-        )
+        query, gate = self.attention_query(weights, projected, inputs.positions, slot_mapping, key_cache, value_cache)
         attended = paged_attention_decode(
             query, key_cache, value_cache, inputs.page_tables, total_lens, scale=self.config.head_dim**-0.5, gate=gate
         )

@@ -203,7 +203,7 @@ class Qwen35MTP:
         pages = page_tables.gather(1, positions // page_size).long()
         positions, slots = positions.reshape(-1), (pages * page_size + positions % page_size).reshape(-1)
         query, gate = runner.attention_query(
-            attention, projections, normed, positions.expand(3, -1), slots, key_cache, value_cache
+            attention, F.linear(normed, projections.mixer_in), positions.expand(3, -1), slots, key_cache, value_cache
         )  # writes the KV of every token; only each row's last token goes on
         if q > 1:
             last = torch.arange(rows, device=x.device) * q + (q - 1)

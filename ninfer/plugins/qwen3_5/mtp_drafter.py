@@ -153,7 +153,7 @@ class MTPDrafter:
             return self._draft_fused(rows, states, counts[0], self._fused)
         logits, hidden = self._write_tail(rows, states, keep_last=False)
         if self._fused is not None and len(set(counts)) == 1:
-            return self._chain_on_device(rows, counts[0], logits.argmax(dim=-1), hidden)
+            return self._chain_on_device(rows, counts[0], logits.argmax(dim=-1), hidden, self._fused)
         tokens = [[int(token)] for token in logits.argmax(dim=-1).tolist()]
         for step in range(1, max(counts)):
             active = [index for index, count in enumerate(counts) if count > step]
@@ -204,23 +204,18 @@ class MTPDrafter:
         return [Draft(tuple(row)) for row in proposals]
 
     def _chain_on_device(
-        self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor
+        self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor, runner: "MTPDraftRunner"
     ) -> list[Draft]:
         """Steps 2..count after a first step of mixed tails, for rows that all draft ``count`` tokens, chained on the
         device through the fused kernels; one transfer brings every proposal back at the end."""
         assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
+        if count == 1:
+            return [Draft((token,)) for token in first.tolist()]
         device = hidden.device
-        proposals = [first]
-        if count > 1:
-            decoder = self.runtime.decoder
-            tables = _staged(page_table(rows), device)
-            fed = _staged(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
-            for step in range(1, count):  # step s feeds draft s at position fed + s - 1
-                token, hidden = self.mtp.fused_step(
-                    decoder, proposals[-1], hidden, fed + (step - 1), tables, self._kv, self._head, step=step
-                )
-                proposals.append(token)
-        return [Draft(tuple(row)) for row in torch.stack(proposals, dim=1).tolist()]
+        tables = _staged(page_table(rows), device)
+        fed = _staged(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
+        proposals = runner.continue_chain(first, hidden, fed, tables, self._kv, count)
+        return [Draft(tuple(row)) for row in proposals.tolist()]
 
     # -- MTP forwards ----------------------------------------------------------------------------------
 

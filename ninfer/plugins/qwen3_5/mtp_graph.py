@@ -84,18 +84,26 @@ class MTPDraftRunner:
 
     def chain(self, inputs: DecodeInputs, hidden: torch.Tensor, kv: KVCache, count: int) -> torch.Tensor:
         """The tail step and ``count - 1`` chained steps over static ``inputs``: proposals ``[R, count]``."""
-        mtp, q = self.mtp, inputs.q
-        token, out = mtp.fused_step(
+        q = inputs.q
+        token, out = self.mtp.fused_step(
             self.decoder, inputs.token_ids, hidden, inputs.context_lens, inputs.page_tables, kv, self.head,
             tokens_per_row=q, step=0,
         )
-        proposals = [token]
         fed = inputs.context_lens + q  # the position of each row's pending token, the first fed draft's MTP entry
+        return self.continue_chain(token, out, fed, inputs.page_tables, kv, count)
+
+    def continue_chain(
+        self, first: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor, page_tables: torch.Tensor, kv: KVCache,
+        count: int,
+    ) -> torch.Tensor:
+        """Proposals ``[R, count]``: each row's draft 1 ``first [R]`` (its MTP hidden state ``hidden [R, H]``), then
+        drafts 2..count, one fused step each; ``fed [R]``: the position draft 1 is fed at."""
+        proposals = [first]
         for step in range(1, count):  # step s feeds draft s at position fed + s - 1
-            token, out = mtp.fused_step(
-                self.decoder, token, out, fed + (step - 1), inputs.page_tables, kv, self.head, step=step
+            first, hidden = self.mtp.fused_step(
+                self.decoder, first, hidden, fed + (step - 1), page_tables, kv, self.head, step=step
             )
-            proposals.append(token)
+            proposals.append(first)
         return torch.stack(proposals, dim=1)
 
     def captured(self) -> list[tuple[int, int, int]]:

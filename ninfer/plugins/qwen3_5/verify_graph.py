@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ninfer.core.runtime import CapturedStates, ForwardBatch, ForwardOutput, KVCache, StateCache
 from ninfer.kernels.triton import next_power_of_2
-from ninfer.kernels.triton.attention import paged_attention_verify, qk_norm_rope_write_kv
+from ninfer.kernels.triton.attention import paged_attention_verify
 from ninfer.kernels.triton.conv import causal_conv1d_verify
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.row_copy import RowCopy
@@ -218,9 +218,8 @@ class VerifyGraphRunner(DecodeGraphRunner):
             inputs.load(staged)
             index = self._eager_ragged(rows, q, lens) if ragged else None
             layer_hidden = self._layer_buffer(rows * q, layers)
-            hidden, logits = self.verify_step(
-                inputs, kv, state, buffers, ragged=index, layer_outputs=self._layer_outputs(layer_hidden, layers)
-            )
+            layer_outputs = self._layer_outputs(layer_hidden, layers)
+            hidden, logits = self.verify_step(inputs, kv, state, buffers, index, layer_outputs)
             if self.use_graphs:
                 self._verify_graphs[key] = self._capture_verify(rows, q, width, ragged, layers, kv, state, buffers)
         if ragged:
@@ -346,17 +345,16 @@ class VerifyGraphRunner(DecodeGraphRunner):
         kv: KVCache,
         state: StateCache,
         buffers: StateBuffers,
-        *,
-        ragged: RaggedInputs | None = None,
-        layer_outputs: dict[int, torch.Tensor] | None = None,
+        ragged: RaggedInputs | None,
+        layer_outputs: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One verify traversal over the static buffers: final-normed hidden ``[R*q, H]`` and fp32 logits ``[R*q, V]``.
 
-        ``ragged``: the inputs are a padded batch with these row lengths; ``layer_outputs``: layer index -> where its
-        output goes.
+        ``ragged``: the inputs are a padded batch with these row lengths (None: every row has q tokens);
+        ``layer_outputs``: layer index -> where its output goes (empty: none asked for).
         """
         carry = self._verify_prologue(inputs, kv, ragged)
-        carry = self._verify_layers(carry, inputs, kv, state, buffers, 0, len(self.model.layers), layer_outputs or {})
+        carry = self._verify_layers(carry, inputs, kv, state, buffers, 0, len(self.model.layers), layer_outputs)
         return self._epilogue(carry)
 
     def _verify_prologue(self, inputs: DecodeInputs, kv: KVCache, ragged: RaggedInputs | None) -> VerifyCarry:
@@ -424,7 +422,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
         ssm_states: torch.Tensor,
     ) -> torch.Tensor:
         config = self.config
-        qkv, z, b, a = self.gated_deltanet_inputs(fused, normed)
+        qkv, z, b, a = self.gated_deltanet_inputs(F.linear(normed, fused.mixer_in))
         mixed = causal_conv1d_verify(
             qkv, weights.conv_weight, conv_cache, inputs.state_slots, tokens_per_row=inputs.q,
             states_out=conv_states,
@@ -446,39 +444,16 @@ class VerifyGraphRunner(DecodeGraphRunner):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        if carry.kv_sources is None:
-            query, gate = self.attention_query(
-                weights, fused, normed, inputs.positions, carry.slot_mapping, key_cache, value_cache
-            )
-        else:
-            query, gate = self._padded_attention_query(
-                weights, fused, normed, inputs.positions, carry.slot_mapping, carry.kv_sources, key_cache, value_cache
-            )
+        projected = F.linear(normed, fused.mixer_in)
+        if carry.kv_sources is not None:
+            # a padded batch: a padding token's projection row is an exact copy of its row's last real token's, whose
+            # position and KV slot it has too, so the two tokens writing one slot store the same K/V bytes
+            projected = projected.index_select(0, carry.kv_sources)
+        query, gate = self.attention_query(
+            weights, projected, inputs.positions, carry.slot_mapping, key_cache, value_cache
+        )
         attended = paged_attention_verify(
             query, key_cache, value_cache, inputs.page_tables, inputs.context_lens, tokens_per_row=inputs.q,
             scale=self.config.head_dim**-0.5, gate=gate,
         )
         return F.linear(attended, weights.o_proj)
-
-    def _padded_attention_query(
-        self,
-        weights: FullAttentionWeights,
-        fused: FusedProjections,
-        normed: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_sources: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``attention_query`` of a padded batch: every token's projection row is taken from ``kv_sources`` (a padding
-        token gets an exact copy of its row's last real token's, whose position and KV slot it has too), so the two
-        tokens writing one slot store the same K/V bytes."""
-        config, model = self.config, self.model
-        heads, dim = config.num_attention_heads, config.head_dim
-        projected = F.linear(normed, fused.mixer_in).index_select(0, kv_sources)
-        query = qk_norm_rope_write_kv(
-            projected, weights.q_norm, weights.k_norm, positions, model.inverse_frequencies,
-            model.axis_of_frequency, key_cache, value_cache, slot_mapping, config.rms_norm_eps, query_heads=heads,
-        )
-        return query, projected[:, : heads * 2 * dim].view(-1, heads, 2 * dim)[:, :, dim:]
