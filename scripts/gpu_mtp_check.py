@@ -2,13 +2,15 @@
 kernel, then the round table at 27B shapes.
 
 Usage (CUDA machine, repo root): ``python scripts/gpu_mtp_check.py OUT_DIR [PRESET] [--draft-tokens K] [--no-tests]``
-(default qwen3.6-27b, K = 3; sized to finish within 120 s on the H200). Prints and writes to OUT_DIR:
+(default qwen3.6-27b, K = 3; sized to finish within about 200 s on the H200). Prints and writes to OUT_DIR:
 
-* ``mtp_tests.log``: ``tests/test_mtp_fused.py`` and ``tests/test_speculative_rollback.py`` (CUDA graphs included);
+* ``mtp_tests.log``: ``tests/test_mtp_fused.py``, ``tests/test_mtp_tails.py`` and
+  ``tests/test_speculative_rollback.py`` (CUDA graphs included);
 * the round table of ``ninfer.bench_spec.spec_bench`` at batch 1, with the full proposal head and with
   ``--lm-head-draft`` (target: round / plain <= 1.25 at K = 3);
-* ``draft_agreement``: for every tail length 1..K+1, the fused CUDA-graph draft against the generic MTP forward on the
-  same states (bf16): the share of equal proposals and the relative error of the MTP KV written;
+* ``draft_agreement``: for every tail length 1..K+1 and for mixed tails (and counts) padded with ``pad_tails``, the
+  fused CUDA-graph draft against the generic MTP forward on the same states (bf16): the share of equal proposals, the
+  relative error of the MTP KV written, and for mixed tails the draft time with and without ``pad_tails``;
 * ``rollback_us``: device time of restoring one row's recurrent state, one ``RowCopy`` launch against the per-layer
   copies it replaced.
 
@@ -36,17 +38,24 @@ from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.mtp_drafter import MTPDrafter
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
 
-TESTS = ["tests/test_mtp_fused.py", "tests/test_speculative_rollback.py"]
+TESTS = ["tests/test_mtp_fused.py", "tests/test_mtp_tails.py", "tests/test_speculative_rollback.py"]
 PAGE_SIZE = 16
 
 
-def draft_agreement(runtime: Qwen35Runtime, k: int, rows: int = 2, context: int = 160) -> dict[str, dict[str, Any]]:
-    """Per tail length q: proposals of the captured fused draft equal to the generic drafter's, and the relative error
-    of the MTP KV the two wrote, from the same trunk hidden states (two sets of rows: the first draft of a shape runs
-    eagerly and captures, the second replays on new contents)."""
+def draft_agreement(
+    runtime: Qwen35Runtime, k: int, rows: int = 2, context: int = 160, repeats: int = 5
+) -> dict[str, dict[str, Any]]:
+    """Per tail pattern: proposals of the captured fused draft (``pad_tails`` on) equal to the generic drafter's, and
+    the relative error of the MTP KV the two hold at each row's real positions, from the same trunk hidden states
+    (two sets of rows: the first draft of a shape runs eagerly and captures, the second replays on new contents).
+
+    Patterns: every uniform tail length q (key ``"q"``), then mixed tails (key ``"mixed t1,t2 counts c1,c2"``, padded
+    to the longest), one with mixed draft counts. For the mixed ones also ``draft_ms`` (the padded graph's draft) and
+    ``unpadded_draft_ms`` (the path without ``pad_tails``: tails on the generic MTP forward, then the fused chain),
+    median wall time of one ``draft`` call over ``repeats`` replays."""
     assert runtime.mtp is not None
     generic = Qwen35Runtime(runtime.model, Qwen35MTP(runtime.model, runtime.mtp.weights))  # no decoder: generic MTP
-    drafters = [MTPDrafter(runtime, k), MTPDrafter(generic, k)]
+    drafters = [MTPDrafter(runtime, k, pad_tails=True), MTPDrafter(generic, k), MTPDrafter(runtime, k)]
     pages_per_row = (context + 7 * rows + k + 2) // PAGE_SIZE + 1
     for drafter in drafters:
         drafter.bind(2 * rows * pages_per_row, PAGE_SIZE)
@@ -67,27 +76,62 @@ def draft_agreement(runtime: Qwen35Runtime, k: int, rows: int = 2, context: int 
             commit_sampled(seq, int(runtime.model.logits(hidden[-1:])[0].argmax()), time.monotonic())
             prefilled.append((seq, hidden))
         sets.append(prefilled)
+
+    def with_tails(drafter: MTPDrafter, prefilled: list, tails: tuple[int, ...]) -> None:
+        """The MTP KV of all but each row's last ``tails[r]`` positions written, those positions as its tail."""
+        for (seq, hidden), tail in zip(prefilled, tails):
+            written = seq.prompt_len - tail
+            drafter.forget(seq)
+            drafter.observe(seq, 0, hidden[:written])
+            drafter._write_tail([seq], [drafter._rows[id(seq)]], keep_last=False)
+            drafter.observe(seq, written, hidden[written:])
+
+    def timed_ms(drafter: MTPDrafter, prefilled: list, tails: tuple[int, ...], counts: list[int]) -> float:
+        times = []
+        for _ in range(repeats):
+            with_tails(drafter, prefilled, tails)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            drafter.draft([seq for seq, _ in prefilled], counts)  # returns host lists: synchronised
+            times.append((time.perf_counter() - started) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    def real_kv_error(seqs: list, counts: tuple[int, ...]) -> float:
+        """Relative error of the fused MTP KV of each row's real entries: its committed positions (the tail just
+        written) and its own chained drafts (a row of fewer drafts than the chain's also writes scratch entries)."""
+        slots = [(page, position % PAGE_SIZE) for seq, count in zip(seqs, counts)
+                 for position in range(seq.fed + count - 1) for page in (seq.pages[position // PAGE_SIZE],)]
+        pages, offsets = torch.tensor(slots).T
+        return rel_err(drafters[0]._kv.key[0][pages, offsets], drafters[1]._kv.key[0][pages, offsets])
+
+    def cycled(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(values[r % len(values)] for r in range(rows))
+
+    patterns = [(str(q), (q,) * rows, (k,) * rows) for q in range(1, k + 2)]
+    for tails, counts in (((1, k + 1), (k,)), ((k + 1, 2), (k,)), ((2, 1), (k,)), ((1, k + 1), (max(k - 2, 1), k))):
+        tails, counts = cycled(tails), cycled(counts)
+        patterns.append((f"mixed {','.join(map(str, tails))} counts {','.join(map(str, counts))}", tails, counts))
     result: dict[str, dict[str, Any]] = {}
-    for q in range(1, k + 2):
+    runner = drafters[0].fused_runner
+    for label, tails, counts in patterns:
         equal = total = 0
         errors = []
         for prefilled in sets:
-            for seq, hidden in prefilled:  # the MTP KV of all but the last q positions, those q as the tail
-                written = seq.prompt_len - q
-                for drafter in drafters:
-                    drafter.forget(seq)
-                    drafter.observe(seq, 0, hidden[:written])
-                    drafter._write_tail([seq], [drafter._rows[id(seq)]], keep_last=False)
-                    drafter.observe(seq, written, hidden[written:])
+            for drafter in drafters[:2]:
+                with_tails(drafter, prefilled, tails)
             seqs = [seq for seq, _ in prefilled]
-            fused, reference = (drafter.draft(seqs, [k] * rows) for drafter in drafters)
+            fused, reference = (drafter.draft(seqs, list(counts)) for drafter in drafters[:2])
             equal += sum(a == b for f, r in zip(fused, reference) for a, b in zip(f.tokens, r.tokens))
-            total += rows * k
-            errors.append(rel_err(drafters[0]._kv.key[0], drafters[1]._kv.key[0]))
-        runner = drafters[0].fused_runner
-        result[str(q)] = {"equal_proposals": equal / total, "kv_rel_err": max(errors),
-                          "captured": runner is not None and (rows, q, k) in runner.captured()}
-        print(f"draft tail q={q}: {json.dumps(result[str(q)])}", flush=True)
+            total += sum(counts)
+            errors.append(real_kv_error(seqs, counts))
+        padded = len(set(tails)) > 1
+        shape = (rows, max(tails), max(counts))
+        result[label] = {"equal_proposals": equal / total, "kv_rel_err": max(errors),
+                         "captured": runner is not None and shape in runner.captured(padded=padded)}
+        if label.startswith("mixed"):
+            result[label]["draft_ms"] = timed_ms(drafters[0], sets[1], tails, list(counts))
+            result[label]["unpadded_draft_ms"] = timed_ms(drafters[2], sets[1], tails, list(counts))
+        print(f"draft tails {label}: {json.dumps(result[label])}", flush=True)
     return result
 
 
@@ -138,7 +182,7 @@ def main(out_dir: str, *args: str) -> int:
         else:
             name = arg
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    status = run_tests(out, TESTS, "mtp_tests.log", timeout=100) if tests else 0
+    status = run_tests(out, TESTS, "mtp_tests.log", timeout=160) if tests else 0
     started = time.perf_counter()
     runtime = build_spec_runtime(name)
     print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)

@@ -172,6 +172,7 @@ class Qwen35MTP:
         *,
         tokens_per_row: int = 1,
         step: int = 0,
+        last_offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP step of ``q = tokens_per_row`` tokens per row through the fused kernels, without a host sync.
 
@@ -183,6 +184,12 @@ class Qwen35MTP:
         attention over the row's whole MTP KV, feed-forward block and norm: the single MTP layer's other outputs
         feed nothing). Returns, for each row's last token, the greedy proposal ``argmax(out @ head^T) [R]`` and the
         post-norm hidden state ``out [R, H]``, both on the device.
+
+        ``last_offsets [R]`` (int64, on the device): rows padded to q tokens, row r holding ``last_offsets[r] + 1``
+        real ones followed by padding. A padding token takes its row's last real position and KV slot and an exact
+        copy of that token's attention projection, so both write the same K/V bytes and nothing lands past the row's
+        real tokens; the row's outputs are those of its last real token, read at its own index (no padding token's
+        value is used), attending over the row's real tokens only.
         """
         from ninfer.kernels.triton.attention import paged_attention_decode
         from ninfer.kernels.triton.norms import add_rms_norm
@@ -198,18 +205,26 @@ class Qwen35MTP:
         _, previous = add_rms_norm(hidden, None, weights.pre_fc_norm_hidden, eps)
         x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
         _, normed = add_rms_norm(x, None, layer.input_layernorm, eps)
-        page_size = kv.page_size
-        positions = context_lens[:, None] + torch.arange(q, device=context_lens.device)  # [R, q]
+        page_size, device = kv.page_size, context_lens.device
+        offsets = torch.arange(q, device=device)[None, :]  # [1, q] each token's offset in its row
+        if last_offsets is not None:
+            offsets = torch.minimum(offsets, last_offsets[:, None])  # [R, q] padding repeats the last real offset
+        positions = context_lens[:, None] + offsets  # [R, q]
         pages = page_tables.gather(1, positions // page_size).long()
         positions, slots = positions.reshape(-1), (pages * page_size + positions % page_size).reshape(-1)
+        projected = F.linear(normed, projections.mixer_in)
+        if last_offsets is not None:  # each padding token's projection row: its row's last real token's, copied
+            projected = projected.index_select(0, (torch.arange(rows, device=device)[:, None] * q + offsets).view(-1))
         query, gate = runner.attention_query(
-            attention, F.linear(normed, projections.mixer_in), positions.expand(3, -1), slots, key_cache, value_cache
-        )  # writes the KV of every token; only each row's last token goes on
+            attention, projected, positions.expand(3, -1), slots, key_cache, value_cache
+        )  # writes the KV of every token; only each row's last (real) token goes on
+        last_offset = q - 1 if last_offsets is None else last_offsets
         if q > 1:
-            last = torch.arange(rows, device=x.device) * q + (q - 1)
+            last = torch.arange(rows, device=device) * q + last_offset
             query, gate, x = query[last], gate[last], x[last]
         attended = paged_attention_decode(
-            query, key_cache, value_cache, page_tables, context_lens + q, scale=config.head_dim**-0.5, gate=gate
+            query, key_cache, value_cache, page_tables, context_lens + last_offset + 1, scale=config.head_dim**-0.5,
+            gate=gate,
         )
         x, normed = add_rms_norm(F.linear(attended, attention.o_proj), x, layer.post_attention_layernorm, eps)
         _, out = add_rms_norm(runner.feed_forward(layer, projections, normed), x, weights.norm, eps)

@@ -21,6 +21,10 @@ token plus its accepted drafts) and that draft the same number of tokens draft i
 captured as a CUDA graph per shape (:mod:`ninfer.plugins.qwen3_5.mtp_graph`); other batches write their tails on the
 generic path and chain the remaining steps on the fused kernels. On the CPU every step is generic.
 
+``pad_tails`` (opt-in, off until measured on the H200): rows with different tail lengths, and rows that draft fewer
+tokens (near their output limit; counts within 2 of the batch's largest, ``MTPDraftRunner.takes``), also draft in one
+fused chain: tails padded to the longest, the chain run to the largest count, each row keeping its own proposals.
+
 ``lm_head_draft`` drafts with a frequency-ranked reduced vocabulary (:mod:`ninfer.plugins.qwen3_5.draft_head`).
 """
 
@@ -74,7 +78,9 @@ class MTPDrafter:
     capture_layers: tuple[int, ...] = ()
     resume_rewrites = 1  # a resumer writes the MTP entry of the checkpoint's last position
 
-    def __init__(self, runtime: Qwen35Runtime, draft_tokens: int, lm_head_draft: bool = False) -> None:
+    def __init__(
+        self, runtime: Qwen35Runtime, draft_tokens: int, lm_head_draft: bool = False, pad_tails: bool = False
+    ) -> None:
         if runtime.mtp is None:
             raise ConfigError(
                 "--spec mtp needs the checkpoint's multi-token-prediction weights (mtp.*), and this artifact has "
@@ -92,7 +98,9 @@ class MTPDrafter:
             from ninfer.plugins.qwen3_5.mtp_graph import MTPDraftRunner  # here: CPU-only installs lack triton
 
             # a round's tail is the pending token's position plus the accepted drafts: 1..k+1 positions
-            self._fused = MTPDraftRunner(self.mtp, runtime.decoder, self._head, max_tokens_per_row=draft_tokens + 1)
+            self._fused = MTPDraftRunner(
+                self.mtp, runtime.decoder, self._head, max_tokens_per_row=draft_tokens + 1, pad_tails=pad_tails
+            )
 
     @property
     def fused_runner(self) -> "MTPDraftRunner | None":
@@ -148,9 +156,8 @@ class MTPDrafter:
 
     def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> list[Draft]:
         states = [self._rows[id(seq)] for seq in rows]
-        uniform = len(set(counts)) == 1 and len({_tail_length(state) for state in states}) == 1
-        if self._fused is not None and uniform and self._fused.supports(len(rows), _tail_length(states[0])):
-            return self._draft_fused(rows, states, counts[0], self._fused)
+        if self._fused is not None and self._fused.takes([_tail_length(state) for state in states], counts):
+            return self._draft_fused(rows, states, counts, self._fused)
         logits, hidden = self._write_tail(rows, states, keep_last=False)
         if self._fused is not None and len(set(counts)) == 1:
             return self._chain_on_device(rows, counts[0], logits.argmax(dim=-1), hidden, self._fused)
@@ -175,10 +182,10 @@ class MTPDrafter:
         return [Draft(tuple(row_tokens[:count])) for row_tokens, count in zip(tokens, counts)]
 
     def _draft_fused(
-        self, rows: Seq[Sequence], states: Seq[_RowState], count: int, runner: "MTPDraftRunner"
+        self, rows: Seq[Sequence], states: Seq[_RowState], counts: Seq[int], runner: "MTPDraftRunner"
     ) -> list[Draft]:
-        """Rows whose tails all have q positions and which all draft ``count`` tokens: the whole draft on the fused
-        kernels (one CUDA graph per shape), one staged input copy and one transfer of the proposals."""
+        """Rows the runner ``takes`` in one chain: the whole draft on the fused kernels (one CUDA graph per shape), one
+        staged input copy and one transfer of the proposals; each row keeps its first ``counts[i]``."""
         assert self._kv is not None, "the MTP drafter was not bound to the engine's KV pool"
         token_ids: list[int] = []
         positions: list[int] = []
@@ -192,16 +199,16 @@ class MTPDrafter:
         batch = ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=text_positions(positions),
-            query_lens=[q] * len(rows),
+            query_lens=[tail.shape[0] for tail in tails],
             context_lens=[state.tail_start for state in states],
             page_tables=page_table(rows),
             state_slots=torch.zeros(len(rows), dtype=torch.int64),  # the MTP keeps no recurrent state
         )
-        proposals = runner.draft(batch, tails, self._kv, count).tolist()
-        for state in states:
-            state.tail_start += q
+        proposals = runner.draft(batch, tails, self._kv, max(counts)).tolist()
+        for state, tail in zip(states, tails):
+            state.tail_start += tail.shape[0]
             state.tail = None
-        return [Draft(tuple(row)) for row in proposals]
+        return [Draft(tuple(row[:count])) for row, count in zip(proposals, counts)]
 
     def _chain_on_device(
         self, rows: Seq[Sequence], count: int, first: torch.Tensor, hidden: torch.Tensor, runner: "MTPDraftRunner"
