@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 
 import attrs
 
+from ninfer.core.engine.host_work import HostWorkClock, Phase, WorkClass
 from ninfer.core.engine.request import FinishReason, StopMatch, TokensEvent
 from ninfer.core.engine.sequence import Sequence
 
@@ -47,6 +48,17 @@ def commit_sampled(seq: Sequence, token: int, now: float) -> Finish | None:
         seq.budget_open = False
         return commit_control(seq, policy.insert_token_ids, now)
     return None
+
+
+def commit_timed(clock: HostWorkClock, seq: Sequence, token: int, now: float, work_class: int) -> Finish | None:
+    """:func:`commit_sampled` timed in ``engine_commit_output`` of ``work_class``, or of the control class when the
+    commit triggered a control insert."""
+    clock.switch(Phase.ENGINE_COMMIT_OUTPUT, work_class)
+    control_units = seq.control_units
+    finish = commit_sampled(seq, token, now)
+    if seq.control_units != control_units:
+        clock.reclassify(WorkClass.CONTROL)
+    return finish
 
 
 def commit_control(seq: Sequence, tokens: Seq[int], now: float) -> Finish | None:

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from ninfer.core.engine.batching import build_batch
-from ninfer.core.engine.commit import Finish, commit_sampled
+from ninfer.core.engine.commit import Finish, commit_timed
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
 from ninfer.core.engine.memory import EngineMemory
@@ -352,12 +352,7 @@ class Executor:
 
     def _commit(self, seq: Sequence, token: int, now: float, work_class: int) -> None:
         """Commit one sampled token (``engine_commit_output``; control class when it triggered a control insert)."""
-        clock = self.clock
-        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, work_class)
-        control_units = seq.control_units
-        finish = commit_sampled(seq, token, now)
-        if seq.control_units != control_units:
-            clock.reclassify(WorkClass.CONTROL)
+        finish = commit_timed(self.clock, seq, token, now, work_class)
         if finish is not None:
             self._finish(seq, finish)
 

@@ -20,6 +20,7 @@ Times are ``time.perf_counter_ns`` integers; seconds are derived only when repor
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Final, Iterable
 
@@ -156,17 +157,7 @@ class _DetailTimer:
         self._clock.add_detail(self._detail, self._clock.now() - self._start)
 
 
-class _NoTimer:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_TIMER = _NoTimer()
+_NO_TIMER = contextlib.nullcontext()
 
 
 class HostWorkClock:
@@ -251,7 +242,7 @@ class HostWorkClock:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    def detail(self, detail: int, enabled: bool = True) -> _DetailTimer | _NoTimer:
+    def detail(self, detail: int, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
         """A ``with`` block timing one invocation of ``detail`` (not reentrant per detail)."""
         return self._timers[detail] if enabled else _NO_TIMER
 

@@ -180,9 +180,7 @@ class EngineMemory:
         while self.pages.free_count - self.promised < fresh:
             if not self.cache.evict(keep=hit):
                 return False
-        seq.slot = self.slots.acquire()
-        self.promised += fresh
-        seq.promised_pages = fresh
+        self._reserve(seq, fresh)
         if hit is None:
             self.state.reset(seq.slot)
             return True
@@ -201,10 +199,7 @@ class EngineMemory:
         self.state.copy(hit.slot, seq.slot)
         if consume:
             self.slots.release(hit.slot)
-        seq.fed = seq.cache_n = size
-        seq.last_logits, seq.last_logits_at = hit.logits, size
-        if hit.drafter is not None and self._resume is not None:
-            self._resume.restore(seq, hit.drafter)
+        self._resume_at(seq, size, hit.logits, hit.drafter)
         return True
 
     def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
@@ -219,16 +214,25 @@ class EngineMemory:
                     raise RuntimeError("admission found reclaimable checkpoint pages that eviction did not free")
         finally:
             self.host.protected = None
+        self._reserve(seq, fresh)
+        assert seq.slot is not None
+        pages = [self._allocate(seq) for _ in range(entry.num_pages)]
+        self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
+        self._resume_at(seq, len(entry.tokens), entry.logits, entry.drafter)
+        return True
+
+    def _reserve(self, seq: Sequence, fresh: int) -> None:
+        """Give ``seq`` a state slot and promise it ``fresh`` pages."""
         seq.slot = self.slots.acquire()
         self.promised += fresh
         seq.promised_pages = fresh
-        pages = [self._allocate(seq) for _ in range(entry.num_pages)]
-        self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
-        seq.fed = seq.cache_n = len(entry.tokens)
-        seq.last_logits, seq.last_logits_at = entry.logits, len(entry.tokens)
-        if entry.drafter is not None and self._resume is not None:
-            self._resume.restore(seq, entry.drafter)
-        return True
+
+    def _resume_at(self, seq: Sequence, size: int, logits: torch.Tensor, drafter_snapshot: Any) -> None:
+        """``seq`` continues after a restored checkpoint of ``size`` tokens (and its drafter snapshot, if any)."""
+        seq.fed = seq.cache_n = size
+        seq.last_logits, seq.last_logits_at = logits, size
+        if drafter_snapshot is not None and self._resume is not None:
+            self._resume.restore(seq, drafter_snapshot)
 
     def _shareable_pages(self, hit: Any) -> int:
         """The checkpoint's pages a request may reference: its full pages, less those holding positions the

@@ -42,7 +42,7 @@ import torch
 
 from ninfer.core.engine.acceptance import Proposal, TargetDistribution, decide, sample_target
 from ninfer.core.engine.batching import build_batch
-from ninfer.core.engine.commit import Finish, commit_sampled
+from ninfer.core.engine.commit import Finish, commit_timed
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import HostWorkClock, Phase, WorkClass
 from ninfer.core.engine.memory import DrafterMemory, DrafterResume
@@ -349,11 +349,7 @@ class SpeculativeRound:
             else:
                 token, ok = sample_target(target, seq.sampler.generator), False
             length = len(seq.tokens)
-            work.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
-            control_units = seq.control_units
-            finish = commit_sampled(seq, token, now)
-            if seq.control_units != control_units:
-                work.reclassify(WorkClass.CONTROL)
+            finish = commit_timed(work, seq, token, now, WorkClass.DECODE)
             if ok:
                 accepted += 1
                 self._count_accept(seq, position)
