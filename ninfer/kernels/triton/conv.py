@@ -42,14 +42,9 @@ def _conv_update_kernel(
     tl.store(out_ptr + row * channels + chans, (acc * tl.sigmoid(acc)).to(x.dtype), mask=mask)
 
 
-def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """One token per row: ``x [B, C]`` (contiguous rows), ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [B]``.
-
-    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place.
-    """
-    batch, channels = x.shape
+def _check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> int:
+    """Validate ``x [*, C]`` (contiguous rows), ``weight [C, K]`` and ``conv_cache [S, C, K-1]``; the window ``K-1``."""
+    channels = x.shape[1]
     if x.stride(1) != 1:
         raise ValueError("x must have contiguous rows")
     if weight.shape[0] != channels or not weight.is_contiguous():
@@ -59,6 +54,18 @@ def causal_conv1d_update(
         raise ValueError(f"conv_cache must be [S, {channels}, {window}] with contiguous windows")
     if conv_cache.stride(1) != window:
         raise ValueError("conv_cache windows must be packed ([S, C, K-1] contiguous per slot)")
+    return window
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One token per row: ``x [B, C]`` (contiguous rows), ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [B]``.
+
+    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place.
+    """
+    batch, channels = x.shape
+    window = _check_conv_inputs(x, weight, conv_cache)
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     block = 256
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
@@ -140,15 +147,7 @@ def causal_conv1d_verify(
     rows = slots.shape[0]
     if tokens_per_row < 1 or rows * tokens_per_row != tokens:
         raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {tokens} tokens")
-    if x.stride(1) != 1:
-        raise ValueError("x must have contiguous rows")
-    if weight.shape[0] != channels or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [C={channels}, K]; got {tuple(weight.shape)}")
-    window = weight.shape[1] - 1
-    if conv_cache.dim() != 3 or tuple(conv_cache.shape[1:]) != (channels, window) or conv_cache.stride(2) != 1:
-        raise ValueError(f"conv_cache must be [S, {channels}, {window}] with contiguous windows")
-    if conv_cache.stride(1) != window:
-        raise ValueError("conv_cache windows must be packed ([S, C, K-1] contiguous per slot)")
+    window = _check_conv_inputs(x, weight, conv_cache)
     if states_out is not None and (
         states_out.shape[0] < tokens or tuple(states_out.shape[1:]) != (channels, window)
         or not states_out.is_contiguous()

@@ -28,7 +28,7 @@ from ninfer.core.runtime import ForwardBatch, KVCache
 from ninfer.kernels.triton import next_power_of_2
 from ninfer.plugins.qwen3_5.decode_graph import MIN_PAGE_BUCKET, DecodeGraphRunner, DecodeInputs
 from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
-from ninfer.plugins.qwen3_5.verify_graph import RaggedInputs, pad_batch
+from ninfer.plugins.qwen3_5.verify_graph import RaggedInputs, load_ragged, pad_batch
 
 
 @attrs.define
@@ -120,7 +120,7 @@ class MTPDraftRunner:
         if inputs is None:
             inputs = self._eager_inputs[(rows, q, width)] = DecodeInputs(rows, width, self.device, q=q)
         inputs.load(batch)
-        ragged_inputs = self._eager_ragged(rows, q, lens) if ragged else None
+        ragged_inputs = load_ragged(self._ragged_inputs, q, lens, self.device) if ragged else None
         proposals = self.chain(inputs, torch.cat(list(hidden)), kv, count, ragged_inputs)
         if self.use_graphs:
             self._graphs[key] = self._capture(rows, q, count, width, ragged, kv)
@@ -162,14 +162,6 @@ class MTPDraftRunner:
         """Drop every captured graph (the drafter's KV was reallocated); their memory pool goes with them."""
         self._graphs.clear()
         self._pool = None
-
-    def _eager_ragged(self, rows: int, q: int, lens: Sequence[int]) -> RaggedInputs:
-        """The eager path's ragged inputs for ``rows`` x ``q``, loaded with the real tail lengths ``lens``."""
-        ragged = self._ragged_inputs.get((rows, q))
-        if ragged is None:
-            ragged = self._ragged_inputs[(rows, q)] = RaggedInputs(rows, q, self.device)
-        ragged.load(lens)
-        return ragged
 
     def _capture(self, rows: int, q: int, count: int, width: int, ragged: bool, kv: KVCache) -> CapturedDraft:
         """Record one draft chain over fresh static buffers (capturing executes nothing, so no cache is touched)."""

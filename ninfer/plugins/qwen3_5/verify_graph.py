@@ -141,6 +141,17 @@ class RaggedInputs:
             self._copied.record()
 
 
+def load_ragged(
+    cache: dict[tuple[int, int], RaggedInputs], q: int, lens: Sequence[int], device: torch.device
+) -> RaggedInputs:
+    """An eager path's ragged inputs for ``len(lens)`` rows x ``q`` (kept in ``cache``), loaded with ``lens``."""
+    ragged = cache.get((len(lens), q))
+    if ragged is None:
+        ragged = cache[(len(lens), q)] = RaggedInputs(len(lens), q, device)
+    ragged.load(lens)
+    return ragged
+
+
 @attrs.define
 class VerifyCarry(StepCarry):
     """``StepCarry`` plus, for a padded batch, the flat index of the token whose projection each token's K/V write
@@ -216,7 +227,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
             if inputs is None:
                 inputs = self._verify_inputs[(rows, q, width)] = DecodeInputs(rows, width, self.model.device, q=q)
             inputs.load(staged)
-            index = self._eager_ragged(rows, q, lens) if ragged else None
+            index = load_ragged(self._ragged_inputs, q, lens, self.model.device) if ragged else None
             layer_hidden = self._layer_buffer(rows * q, layers)
             layer_outputs = self._layer_outputs(layer_hidden, layers)
             hidden, logits = self.verify_step(inputs, kv, state, buffers, index, layer_outputs)
@@ -246,14 +257,6 @@ class VerifyGraphRunner(DecodeGraphRunner):
         padding queries of a ragged batch read), to a power of two from MIN_PAGE_BUCKET."""
         reach = max(-(-(int(context) + q) // page_size) for context in batch.context_lens)
         return max(MIN_PAGE_BUCKET, next_power_of_2(max(batch.page_tables.shape[1], reach)))
-
-    def _eager_ragged(self, rows: int, q: int, lens: Sequence[int]) -> RaggedInputs:
-        """The eager path's ragged inputs for ``rows`` x ``q``, loaded with ``lens``."""
-        ragged = self._ragged_inputs.get((rows, q))
-        if ragged is None:
-            ragged = self._ragged_inputs[(rows, q)] = RaggedInputs(rows, q, self.model.device)
-        ragged.load(lens)
-        return ragged
 
     def _layer_buffer(self, tokens: int, layers: tuple[int, ...]) -> torch.Tensor | None:
         """``[tokens, len(layers) * H]`` for the outputs of ``layers`` (None when none are asked for)."""
