@@ -3,7 +3,8 @@
 Usage (on a CUDA machine):
 ``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] qwen3.6-27b [...]``
 
-For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value it measures, per decode step at 256 tokens of context:
+For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value it measures, per
+decode step at 256 tokens of context:
 
 * ``bench``: the benchmark's step (``ninfer.bench_synthetic``: host-built ForwardBatch, ``runtime.forward``, greedy
   argmax on the GPU, token to the host);
@@ -133,9 +134,8 @@ def run_preset(
         entry["bench_of_roofline"] = 1e3 / entry["bench_step_ms"] / roofline_1
         entry["engine_of_roofline"] = 1e3 / entry["engine_step_ms"] / roofline_1
         entry["replay_of_roofline"] = 1e3 / replay_ms / roofline_1
-        label = f"{segments}"
-        result["decode_1"][label] = entry
-        print(name, "segments", label, json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
+        result["decode_1"][str(segments)] = entry
+        print(name, "segments", segments, json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
     if decode:
         decoder.graph_segments = 4
         decoder._graphs.clear()
@@ -169,11 +169,10 @@ def print_table(result: dict) -> None:
         print(f"| {label} | {entry['bench_step_ms']:.3f} | {1e3 / entry['bench_step_ms']:.1f} | "
               f"{entry['bench_of_roofline']:.1%} | {entry['engine_step_ms']:.3f} | {entry['replay_ms']:.3f} | "
               f"{entry['replay_of_roofline']:.1%} |")
-    for label in ("decode_8",):
-        if label in result:
-            entry = result[label]
-            print(f"{label}: {entry['tok_s']:.1f} tok/s ({entry['of_roofline']:.1%} of roofline), "
-                  f"graphs back to back {entry['replay_ms']:.3f} ms")
+    if "decode_8" in result:
+        entry = result["decode_8"]
+        print(f"decode_8: {entry['tok_s']:.1f} tok/s ({entry['of_roofline']:.1%} of roofline), "
+              f"graphs back to back {entry['replay_ms']:.3f} ms")
 
 
 def main(out_dir: str, *names: str) -> int:

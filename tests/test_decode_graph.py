@@ -54,7 +54,8 @@ class Caches:
         copy.page_tables, copy.slots, copy.lengths = self.page_tables, self.slots, list(self.lengths)
         return copy
 
-    def batch(self, rows: list[int], chunks: list[list[int]]) -> ForwardBatch:
+    def batch(self, rows: list[int], chunks: list[list[int]], *, verify: bool = False) -> ForwardBatch:
+        """The rows' next chunks; ``verify``: logits of every token and the state after each (a verify forward)."""
         contexts = [self.lengths[r] for r in rows]
         positions = torch.cat([torch.arange(c, c + len(t)) for c, t in zip(contexts, chunks)])
         for r, chunk in zip(rows, chunks):
@@ -66,25 +67,27 @@ class Caches:
             context_lens=contexts,
             page_tables=self.page_tables[rows],
             state_slots=self.slots[rows],
-            logits="last",
+            logits="all" if verify else "last",
+            capture_states=verify,
             return_hidden=True,
         )
 
 
-def _runtimes(preset: str):
+def _runtimes(preset: str, dtype: torch.dtype = DTYPE):
+    """``(reference, model, fused)``: the generic eager runtime and the fused model on the same random weights."""
     config = preset_config(preset)
-    tensors = random_text_weights(config, device=DEVICE, dtype=DTYPE, seed=3)
+    tensors = random_text_weights(config, device=DEVICE, dtype=dtype, seed=3)
     with torch.no_grad():  # move norms and gates away from their init values so every weight matters
         for name, tensor in tensors.items():
             if "norm" in name or "dt_bias" in name:
                 tensor.add_(torch.randn_like(tensor.float()).to(tensor.dtype) * 0.2)
-    reference = build_runtime(InMemorySource(preset, config, tensors), dtype=DTYPE, device=DEVICE)
+    reference = build_runtime(InMemorySource(preset, config, tensors), dtype=dtype, device=DEVICE)
     model = reference.model
     if reference.decoder is None:
         model, fused = fuse_model(model)
     else:
         fused = reference.decoder.fused
-        reference = Qwen35Runtime(model, None, None)
+        reference = Qwen35Runtime(model, None, None)  # the generic eager path only
     return reference, model, fused
 
 

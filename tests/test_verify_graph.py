@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.attention import paged_attention
 from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
@@ -32,8 +31,8 @@ from ninfer.kernels.triton.attention import paged_attention_verify  # noqa: E402
 from ninfer.kernels.triton.conv import causal_conv1d_verify  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
-from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner  # noqa: E402
+from test_decode_graph import Caches, _runtimes  # noqa: E402
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 KERNEL_TOL = 1e-2 if CUDA else 1e-5
@@ -150,59 +149,6 @@ def test_gated_delta_writes_states_into_a_given_buffer(heads):
 
 
 # -- the whole verify forward ---------------------------------------------------------------------------------------
-
-
-class Caches:
-    """KV pages and state slots for ``rows`` rows; row r owns slot ``rows - 1 - r`` and shuffled pages."""
-
-    def __init__(self, runtime: Qwen35Runtime, rows: int, pages_per_row: int = 6) -> None:
-        self.kv = KVCache.allocate(runtime.spec, rows * pages_per_row + 3, PAGE_SIZE)
-        self.state = StateCache.allocate(runtime.spec, rows + 2)
-        order = torch.randperm(rows * pages_per_row + 3, generator=torch.Generator().manual_seed(7))
-        self.page_tables = order[: rows * pages_per_row].view(rows, pages_per_row).to(torch.int32)
-        self.slots = torch.arange(rows - 1, -1, -1)
-        self.lengths = [0] * rows
-
-    def clone(self) -> "Caches":
-        copy = object.__new__(Caches)
-        copy.kv = KVCache(self.kv.page_size, [t.clone() for t in self.kv.key], [t.clone() for t in self.kv.value])
-        copy.state = StateCache([t.clone() for t in self.state.conv], [t.clone() for t in self.state.ssm])
-        copy.page_tables, copy.slots, copy.lengths = self.page_tables, self.slots, list(self.lengths)
-        return copy
-
-    def batch(self, rows: list[int], chunks: list[list[int]], *, verify: bool) -> ForwardBatch:
-        contexts = [self.lengths[r] for r in rows]
-        positions = torch.cat([torch.arange(c, c + len(t)) for c, t in zip(contexts, chunks)])
-        for r, chunk in zip(rows, chunks):
-            self.lengths[r] += len(chunk)
-        return ForwardBatch(
-            token_ids=torch.tensor([t for chunk in chunks for t in chunk]),
-            positions=positions.expand(3, -1),
-            query_lens=[len(c) for c in chunks],
-            context_lens=contexts,
-            page_tables=self.page_tables[rows],
-            state_slots=self.slots[rows],
-            logits="all" if verify else "last",
-            capture_states=verify,
-            return_hidden=verify,
-        )
-
-
-def _runtimes(preset: str, dtype: torch.dtype = DTYPE):
-    config = preset_config(preset)
-    tensors = random_text_weights(config, device=DEVICE, dtype=dtype, seed=3)
-    with torch.no_grad():  # move norms and gates away from their init values so every weight matters
-        for name, tensor in tensors.items():
-            if "norm" in name or "dt_bias" in name:
-                tensor.add_(torch.randn_like(tensor.float()).to(tensor.dtype) * 0.2)
-    reference = build_runtime(InMemorySource(preset, config, tensors), dtype=dtype, device=DEVICE)
-    model = reference.model
-    if reference.decoder is None:
-        model, fused = fuse_model(model)
-    else:
-        fused = reference.decoder.fused
-        reference = Qwen35Runtime(model, None, None)  # the generic eager path only
-    return reference, model, fused
 
 
 def _assert_same_output(got, expected, tol):

@@ -40,7 +40,8 @@ from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime  # noqa: E402
 from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner, pad_batch  # noqa: E402
 from speculation_support import assert_idle, drafter_for, make_engine, run  # noqa: E402
-from test_verify_graph import TOL, _runtimes, rel_err  # noqa: E402
+from test_decode_graph import _runtimes  # noqa: E402
+from test_verify_graph import TOL, rel_err  # noqa: E402
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 PAGE_SIZE = 16
