@@ -55,7 +55,7 @@ def draft_agreement(
     median wall time of one ``draft`` call over ``repeats`` replays."""
     assert runtime.mtp is not None
     generic = Qwen35Runtime(runtime.model, Qwen35MTP(runtime.model, runtime.mtp.weights))  # no decoder: generic MTP
-    drafters = [MTPDrafter(runtime, k, pad_tails=True), MTPDrafter(generic, k), MTPDrafter(runtime, k)]
+    drafters = [MTPDrafter(runtime, k), MTPDrafter(generic, k), MTPDrafter(runtime, k, pad_tails=False)]
     pages_per_row = (context + 7 * rows + k + 2) // PAGE_SIZE + 1
     for drafter in drafters:
         drafter.bind(2 * rows * pages_per_row, PAGE_SIZE)

@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 if not triton_available(DEVICE):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
-from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
+from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner, segment_bounds  # noqa: E402
 from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -125,6 +125,13 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows):
         assert len(graphs._graphs) == 2  # one per batch size, replayed on the later steps
         for replay_ssm, eager_ssm in zip(graph_caches.state.ssm, ours.state.ssm):
             assert rel_err(replay_ssm, eager_ssm) < 1e-6
+
+
+def test_graph_segments_grow_from_one_layer_and_cover_every_layer_once():
+    assert segment_bounds(40, 4) == [(0, 1), (1, 5), (5, 21), (21, 40)]
+    assert segment_bounds(64, 1) == [(0, 64)]
+    assert segment_bounds(4, 4) == [(0, 1), (1, 4)]  # no empty segment
+    assert segment_bounds(3, 2) == [(0, 1), (1, 3)]
 
 
 def test_runtime_routes_pure_decode_batches_only():

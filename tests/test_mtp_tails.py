@@ -132,7 +132,7 @@ def test_the_runner_takes_mixed_tails_and_close_counts_only_with_pad_tails(runti
 @pytest.mark.parametrize("counts", [(K, K, K), (1, K, 2)])
 def test_mixed_tails_draft_in_one_padded_chain_what_the_generic_path_drafts(runtimes, counts, monkeypatch):
     fused_runtime, generic_runtime = runtimes
-    drafters = [MTPDrafter(fused_runtime, K, pad_tails=True), MTPDrafter(generic_runtime, K)]
+    drafters = [MTPDrafter(fused_runtime, K), MTPDrafter(generic_runtime, K)]
     for drafter in drafters:
         drafter.bind(len(LENGTHS) * PAGES_PER_ROW, PAGE_SIZE)
         _sentinel(drafter._kv)
@@ -165,7 +165,7 @@ def test_captured_padded_drafts_replay_what_the_eager_kernels_draft():
     assert graph_runtime.decoder is not None and graph_runtime.decoder.use_graphs
     eager_decoder = DecodeGraphRunner(graph_runtime.model, graph_runtime.decoder.fused, use_graphs=False)
     eager_runtime = Qwen35Runtime(graph_runtime.model, graph_runtime.mtp, eager_decoder)
-    drafters = [MTPDrafter(graph_runtime, K, pad_tails=True), MTPDrafter(eager_runtime, K, pad_tails=True),
+    drafters = [MTPDrafter(graph_runtime, K), MTPDrafter(eager_runtime, K),
                 MTPDrafter(generic_runtime, K)]
     for drafter in drafters:
         drafter.bind(len(LENGTHS) * PAGES_PER_ROW, PAGE_SIZE)
@@ -263,7 +263,7 @@ def test_greedy_speculation_with_padded_tails_equals_plain_greedy(tmp_path):
             decoder = DecodeGraphRunner(fused_model, fused, use_graphs=False)
             fused_runtime = Qwen35Runtime(fused_model, Qwen35MTP(fused_model, weights), decoder)
         generic = MTPDrafter(Qwen35Runtime(model, Qwen35MTP(model, weights)), K)
-        fused_drafter = MTPDrafter(fused_runtime, K, pad_tails=True)
+        fused_drafter = MTPDrafter(fused_runtime, K)
         runner = fused_drafter.fused_runner
         assert runner is not None and generic.fused_runner is None
         shapes: list[list[int]] = []

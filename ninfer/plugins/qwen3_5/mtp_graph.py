@@ -8,7 +8,7 @@ tables) plus one device copy of the tail hidden states into a static buffer; the
 one transfer. The first draft of a shape (rows, q, count, page-table width bucket) runs eagerly and warms every
 kernel; it is captured right after and replayed from then on. With graphs disabled the same kernels run eagerly.
 
-Ragged drafts (``pad_tails``, opt-in until measured on the H200): rows whose tails have different lengths are padded
+Ragged drafts (``pad_tails``, the default): rows whose tails have different lengths are padded
 to the longest (``verify_graph.pad_batch``: each padding token repeats its row's last real tail token, and its hidden
 state row is repeated too); ``Qwen35MTP.fused_step`` gives a padding token its row's last real position and KV slot
 and an exact copy of that token's projection, so the KV bytes written are the real ones and nothing lands past the
@@ -50,7 +50,7 @@ class MTPDraftRunner:
 
     def __init__(
         self, mtp: Qwen35MTP, decoder: DecodeGraphRunner, head: torch.Tensor, *, max_tokens_per_row: int,
-        pad_tails: bool = False,
+        pad_tails: bool = True,
     ) -> None:
         self.mtp = mtp
         self.decoder = decoder

@@ -1,0 +1,114 @@
+"""Host and device timeline of batch-1 benchmark decode steps (CUDA only): where the time outside the graphs goes.
+
+Usage (CUDA machine): ``python scripts/gpu_step_trace.py OUT_DIR qwen3.6-35b-a3b [...]``. For each preset (random
+bf16 weights) it runs the benchmark's decode loop (``Rows.forward``: ``runtime.forward`` on the captured graphs,
+greedy argmax, token to the host), then profiles ``STEPS`` steps with torch.profiler (CPU and CUDA) and prints:
+
+* the host ops by self CPU time per step;
+* per step: wall time, the device busy time (union of kernel intervals) and the idle gaps on the device longer than
+  5 µs with the host op running when each began.
+
+``trace_<preset>.json.gz`` is the Chrome trace of those steps.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ninfer.bench_synthetic import Rows
+from ninfer.plugins.qwen3_5.presets import preset_config
+from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+
+STEPS = 6
+CONTEXT = 256
+
+
+def device_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel and memcpy on the device, in start order."""
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    return sorted(spans)
+
+
+def host_ops(events: list[dict]) -> list[tuple[float, float, str]]:
+    return sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+    )
+
+
+def analyse(trace: dict, steps: int) -> list[str]:
+    events = trace["traceEvents"]
+    marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("bench_step"))
+    device = device_intervals(events)
+    host = host_ops(events)
+    lines = []
+    for index, (start, stop) in enumerate(marks):
+        inside = [(a, b, n) for a, b, n in device if a >= start and a < stop + 5000]
+        busy, cursor, gaps = 0.0, start, []
+        for a, b, name in inside:
+            if a - cursor > 5:
+                running = [n for ha, hb, n in host if ha <= cursor <= hb]
+                gaps.append((cursor - start, a - cursor, name[:40], running[-1][:50] if running else "-"))
+            busy += max(0.0, b - max(a, cursor))
+            cursor = max(cursor, b)
+        lines.append(
+            f"step {index}: wall {stop - start:8.1f} us, device busy {busy:8.1f} us, "
+            f"{len(inside)} device ops, first at +{(inside[0][0] - start) if inside else 0:.1f} us"
+        )
+        for offset, length, next_op, running in gaps:
+            lines.append(f"    gap at +{offset:8.1f} us: {length:7.1f} us before {next_op!r}; host in {running!r}")
+    return lines
+
+
+def run(name: str, out: Path) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config_dict = preset_config(name)
+    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
+    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
+    del tensors
+    vocab = runtime.config.vocab_size
+    rows = Rows(runtime, 1, CONTEXT + STEPS + 16)
+    with torch.no_grad():
+        tokens = rows.forward([torch.randint(0, vocab, (CONTEXT,))])
+        for _ in range(4):
+            tokens = rows.forward(list(tokens[:, None]))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(STEPS):
+                with torch.profiler.record_function(f"bench_step_{step}"):
+                    tokens = rows.forward(list(tokens[:, None]))
+    path = out / f"trace_{name}.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    with gzip.open(out / f"trace_{name}.json.gz", "wt") as handle:
+        json.dump(trace, handle)
+    path.unlink()
+    print(f"== {name}: host ops by self CPU time ({STEPS} steps)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    for line in analyse(trace, STEPS):
+        print(line)
+
+
+def main(out_dir: str, *names: str) -> int:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        run(name, out)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
