@@ -4,6 +4,11 @@ continuing from a window.
 
 Twin: ``ninfer.kernels.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
 first; after a step it holds the last K-1 inputs including the new one.
+
+With programmatic dependent launch (sm_90+) the decode step loads the taps, the slot id and the slot's window before
+``griddepcontrol.wait`` and the new input column (the predecessor's output) after it, where it also writes the window
+back: the predecessor (the input projection) writes none of the early data, and everything older has finished by the
+time a dependent launch lets this kernel start.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
 
 
 @triton.jit
@@ -25,19 +32,27 @@ def _conv_update_kernel(
     channels,
     WINDOW: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chans = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = chans < channels
     slot = tl.load(slots_ptr + row).to(tl.int64)
     window_ptr = cache_ptr + slot * cache_slot_stride + chans * WINDOW
-    x = tl.load(x_ptr + row * x_stride + chans, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(weight_ptr + chans * (WINDOW + 1) + WINDOW, mask=mask, other=0.0).to(tl.float32)
+    taps_ptr = weight_ptr + chans * (WINDOW + 1)
+    pasts = ()
+    taps = ()
     for j in tl.static_range(WINDOW):
-        past = tl.load(window_ptr + j, mask=mask, other=0.0)
-        acc += past.to(tl.float32) * tl.load(weight_ptr + chans * (WINDOW + 1) + j, mask=mask, other=0.0).to(tl.float32)
+        pasts = pasts + (tl.load(window_ptr + j, mask=mask, other=0.0),)
+        taps = taps + (tl.load(taps_ptr + j, mask=mask, other=0.0).to(tl.float32),)
+    newest_tap = tl.load(taps_ptr + WINDOW, mask=mask, other=0.0).to(tl.float32)
+    after_predecessor(PDL)  # the taps and the window are not the predecessor's: they are already on their way
+    x = tl.load(x_ptr + row * x_stride + chans, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * newest_tap
+    for j in tl.static_range(WINDOW):
+        acc += pasts[j].to(tl.float32) * taps[j]
         if j > 0:
-            tl.store(window_ptr + (j - 1), past, mask=mask)
+            tl.store(window_ptr + (j - 1), pasts[j], mask=mask)
     tl.store(window_ptr + (WINDOW - 1), x.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + row * channels + chans, (acc * tl.sigmoid(acc)).to(x.dtype), mask=mask)
 
@@ -58,18 +73,22 @@ def _check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.
 
 
 def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor, *, pdl: bool | None = None
 ) -> torch.Tensor:
     """One token per row: ``x [B, C]`` (contiguous rows), ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [B]``.
 
-    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place.
+    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place. ``pdl``: programmatic dependent
+    launch (None: wherever the device has it); then the kernel immediately before this one in the stream must not
+    write ``weight``, ``conv_cache`` or ``slots``.
     """
     batch, channels = x.shape
     window = _check_conv_inputs(x, weight, conv_cache)
+    pdl = resolve_pdl(pdl, x.device)
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     block = 256
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
-        x, x.stride(0), weight, conv_cache, conv_cache.stride(0), slots, out, channels, WINDOW=window, BLOCK=block
+        x, x.stride(0), weight, conv_cache, conv_cache.stride(0), slots, out, channels, WINDOW=window, BLOCK=block,
+        PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -9,6 +9,11 @@ place. The gated output norm needs a whole head: with one program per head it is
 writes ``o`` and ``ninfer.kernels.triton.norms.gated_rms_norm`` normalises it in a second launch. The gates are
 computed from the raw projections: ``beta = sigmoid(b)``, ``g = decay_rate * softplus(a + dt_bias)`` with
 ``decay_rate = -exp(A_log)``.
+
+With programmatic dependent launch (sm_90+) a program loads its slot id, the head's gate parameters, the norm weight
+and its fp32 state tile before ``griddepcontrol.wait``, and q/k/v, a, b, z (the predecessor's outputs) after it: the
+state is written only by this kernel in an earlier step or by a rollback copy several kernels earlier, which have
+finished by the time a dependent launch lets this kernel start, so the state streams while the conv drains.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.gated_delta import L2_EPS
+from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
 from ninfer.kernels.triton.norms import gated_rms_norm
 
 
@@ -48,6 +54,7 @@ def _gated_delta_kernel(
     FUSE_NORM: tl.constexpr,
     STORE_STATES: tl.constexpr,
     L2EPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // VALUE_HEADS).to(tl.int64)
@@ -63,6 +70,7 @@ def _gated_delta_kernel(
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     if FUSE_NORM:
         norm_weight = tl.load(norm_weight_ptr + dv).to(tl.float32)
+    after_predecessor(PDL)  # none of the above is the predecessor's: the state tile is already on its way
     for t in range(tokens_per_row):
         token = row * tokens_per_row + t
         base = qkv_ptr + token * qkv_stride
@@ -107,6 +115,7 @@ def fused_recurrent_gated_delta(
     output_states: bool = False,
     states_out: torch.Tensor | None = None,
     value_split: int = 1,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``tokens_per_row`` tokens of every row through the gated delta rule, updating ``ssm_cache`` in place.
 
@@ -116,7 +125,9 @@ def fused_recurrent_gated_delta(
     ``value_split`` programs share each head's value columns (it must divide Dv into powers of two).
     Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``. ``states_out`` (a contiguous
     fp32 ``[>= N, Hv, Dk, Dv]`` buffer, e.g. a CUDA graph's static one) implies ``output_states``: the states are
-    written to its first N entries, which are returned.
+    written to its first N entries, which are returned. ``pdl``: programmatic dependent launch (None: wherever the
+    device has it); then the kernel immediately before this one in the stream must not write ``ssm_cache``,
+    ``slots``, ``decay_rate``, ``dt_bias`` or ``norm_weight``.
     """
     tokens = qkv.shape[0]
     _, value_heads, key_dim, value_dim = ssm_cache.shape
@@ -149,6 +160,7 @@ def fused_recurrent_gated_delta(
         states = torch.empty((tokens, value_heads, key_dim, value_dim), dtype=torch.float32, device=qkv.device)
     else:
         states = None
+    pdl = resolve_pdl(pdl, qkv.device)
     scale = key_dim**-0.5 if scale is None else scale
     _gated_delta_kernel[(rows * value_heads, value_split)](
         qkv, qkv.stride(0), a, b, a.stride(0),
@@ -157,8 +169,8 @@ def fused_recurrent_gated_delta(
         ssm_cache, slots, out, states if output_states else out,
         tokens_per_row, scale, norm_eps,
         KEY_HEADS=key_heads, VALUE_HEADS=value_heads, DK=key_dim, DV=value_dim, BLOCK_DV=block_dv,
-        FUSE_NORM=fuse_norm and not norm_apart, STORE_STATES=output_states, L2EPS=L2_EPS,
-        num_warps=8 if key_dim * block_dv >= 8192 else 4,
+        FUSE_NORM=fuse_norm and not norm_apart, STORE_STATES=output_states, L2EPS=L2_EPS, PDL=pdl,
+        num_warps=8 if key_dim * block_dv >= 8192 else 4, **launch_options(pdl),
     )
     if norm_apart:
         z_heads = z.view(tokens, value_heads, value_dim)

@@ -16,7 +16,10 @@
    program per hidden block looping over the experts itself measured slower on the H200 even at one row.)
 
 With programmatic dependent launch (``MoETiles.pdl``, sm_90+) each kernel is launched while its predecessor drains
-and waits (``griddepcontrol.wait``) before reading what that one wrote. Grids are fixed per batch size (sized for
+and waits (``griddepcontrol.wait``) before reading what that one wrote; before the wait each program loads the
+weights it can already name, so they stream while the predecessor drains: the router its rows, the shared expert's
+gate/up programs their tiles, and the down programs their expert's tile (the routing is final by then: the gate/up
+kernel lets the down kernel launch only after its own wait for the router). Grids are fixed per batch size (sized for
 ``min(rows * k, E)`` experts; programs past the listed count do nothing) and expert ids never leave the device, so
 everything is captured in the decode graph. Sums are deterministic (no atomics on data). One row multiplies with
 FMA reductions; more rows pad to a ``tl.dot`` tile of >= 16 rows, rows that did not select the expert are not read.
@@ -35,11 +38,12 @@ from ninfer.kernels.triton import next_power_of_2
 from ninfer.kernels.triton.norm_gemv import (
     accumulate,
     after_predecessor,
-    dot_normed_rows,
+    dot_normed_rows_from,
     inverse_rms,
     launch_options,
     pdl_supported,
     token_block,
+    weight_tile,
 )
 
 MAX_TOKENS = 64  # rows one call takes: the routing of all rows runs in one program
@@ -101,36 +105,41 @@ class Routing:
 
 
 @triton.jit
-def _dot_rows(
-    x_rows, token_valid, w_rows, row_valid, start, stop,
+def _x_tile(x_rows, token_valid, first, stop, BLOCK_K: tl.constexpr):
+    """The activation rows' columns ``[first, first + BLOCK_K)`` (zero past ``stop``)."""
+    cols = first + tl.arange(0, BLOCK_K)
+    return tl.load(x_rows[:, None] + cols[None, :], mask=token_valid[:, None] & (cols < stop)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_rows_from(
+    first_tile, x_rows, token_valid, w_rows, row_valid, start, stop,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``[TOKENS, ROWS]`` fp32 sums over columns ``[start, stop)`` of ``x[t] * w[r]`` (pointers at row starts)."""
-    acc = tl.zeros((TOKENS, ROWS), tl.float32)
-    for first in range(start, stop, BLOCK_K):
-        cols = first + tl.arange(0, BLOCK_K)
-        col_valid = cols < stop
-        w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
-        x = tl.load(x_rows[:, None] + cols[None, :], mask=token_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = accumulate(acc, x, w, TOKENS)
+    """``[TOKENS, ROWS]`` fp32 sums over columns ``[start, stop)`` of ``x[t] * w[r]`` (pointers at row starts); the
+    first step multiplies ``first_tile`` (``weight_tile`` at ``start``, loaded before the predecessor wait)."""
+    acc = accumulate(
+        tl.zeros((TOKENS, ROWS), tl.float32), _x_tile(x_rows, token_valid, start, stop, BLOCK_K), first_tile, TOKENS
+    )
+    for first in range(start + BLOCK_K, stop, BLOCK_K):
+        w = weight_tile(w_rows, row_valid, first, stop, BLOCK_K)
+        acc = accumulate(acc, _x_tile(x_rows, token_valid, first, stop, BLOCK_K), w, TOKENS)
     return acc
 
 
 @triton.jit
-def _dot_row_pairs(
-    x_rows, token_valid, a_rows, b_rows, row_valid, width,
+def _dot_row_pairs_from(
+    first_a, first_b, x_rows, token_valid, a_rows, b_rows, row_valid, width,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``_dot_rows`` for two sets of weight rows at once (gate and up), both tiles loaded in the same step."""
-    acc_a = tl.zeros((TOKENS, ROWS), tl.float32)
-    acc_b = tl.zeros((TOKENS, ROWS), tl.float32)
-    for first in range(0, width, BLOCK_K):
-        cols = first + tl.arange(0, BLOCK_K)
-        col_valid = cols < width
-        w_mask = row_valid[:, None] & col_valid[None, :]
-        w_a = tl.load(a_rows[:, None] + cols[None, :], mask=w_mask, other=0.0)
-        w_b = tl.load(b_rows[:, None] + cols[None, :], mask=w_mask, other=0.0)
-        x = tl.load(x_rows[:, None] + cols[None, :], mask=token_valid[:, None] & col_valid[None, :], other=0.0)
+    """``_dot_rows_from`` over ``[0, width)`` for two sets of weight rows at once (gate and up)."""
+    x = _x_tile(x_rows, token_valid, 0, width, BLOCK_K)
+    acc_a = accumulate(tl.zeros((TOKENS, ROWS), tl.float32), x, first_a, TOKENS)
+    acc_b = accumulate(tl.zeros((TOKENS, ROWS), tl.float32), x, first_b, TOKENS)
+    for first in range(BLOCK_K, width, BLOCK_K):
+        w_a = weight_tile(a_rows, row_valid, first, width, BLOCK_K)
+        w_b = weight_tile(b_rows, row_valid, first, width, BLOCK_K)
+        x = _x_tile(x_rows, token_valid, first, width, BLOCK_K)
         acc_a = accumulate(acc_a, x, w_a, TOKENS)
         acc_b = accumulate(acc_b, x, w_b, TOKENS)
     return acc_a, acc_b
@@ -138,12 +147,13 @@ def _dot_row_pairs(
 
 @triton.jit
 def _load_routing(experts_ptr, weights_ptr, tokens, TOKENS: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
-    """The ``[TOKENS, TOP_K_PAD]`` tiles of selected experts (-1 where padded) and their routing weights."""
+    """The ``[TOKENS, TOP_K_PAD]`` tiles of selected experts (-1 where padded) and their routing weights (read
+    through L2: the down kernel reads them before its predecessor wait)."""
     t = tl.arange(0, TOKENS)
     j = tl.arange(0, TOP_K_PAD)
     valid = (t < tokens)[:, None] & (j < TOP_K)[None, :]
-    chosen = tl.load(experts_ptr + t[:, None] * TOP_K + j[None, :], mask=valid, other=-1)
-    weights = tl.load(weights_ptr + t[:, None] * TOP_K + j[None, :], mask=valid, other=0.0)
+    chosen = tl.load(experts_ptr + t[:, None] * TOP_K + j[None, :], mask=valid, other=-1, cache_modifier=".cg")
+    weights = tl.load(weights_ptr + t[:, None] * TOP_K + j[None, :], mask=valid, other=0.0, cache_modifier=".cg")
     return chosen, weights
 
 
@@ -216,27 +226,28 @@ def _router_kernel(
     SPLIT: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PDL: tl.constexpr,
 ):
-    after_predecessor(PDL)
     stride = num_experts + 1
     part = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < num_experts + HAS_GATE
     w_rows = tl.where(rows < num_experts, router_ptr + rows.to(tl.int64) * hidden, gate_ptr)
-    t = tl.arange(0, TOKENS)
-    token_valid = t < tokens
     start = part * slice_width
     stop = tl.minimum(start + slice_width, hidden)
+    first_tile = weight_tile(w_rows, row_valid, start, stop, BLOCK_K)
+    after_predecessor(PDL)  # the router rows are not the predecessor's: their first tile is already on its way
+    t = tl.arange(0, TOKENS)
+    token_valid = t < tokens
     x_rows = x_ptr + t * x_stride
     if NORM:  # x is the residual stream: multiply rms_norm(x + pending); the first row block writes its slice
         pending_rows = pending_ptr + t * pending_stride
         rstd = inverse_rms(x_rows, pending_rows, token_valid, hidden, eps, HAS_PENDING, TOKENS, BLOCK_K)
-        partial = dot_normed_rows(
-            tl.zeros((TOKENS, ROWS), tl.float32), x_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows,
-            row_valid, start, stop, hidden_out_ptr + t * hidden, normed_out_ptr + t * hidden,
-            tl.program_id(0) == 0, HAS_PENDING, True, TOKENS, BLOCK_K,
+        partial = dot_normed_rows_from(
+            first_tile, x_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start, stop,
+            hidden_out_ptr + t * hidden, normed_out_ptr + t * hidden, tl.program_id(0) == 0, HAS_PENDING, True,
+            TOKENS, ROWS, BLOCK_K,
         )
     else:
-        partial = _dot_rows(x_rows, token_valid, w_rows, row_valid, start, stop, TOKENS, ROWS, BLOCK_K)
+        partial = _dot_rows_from(first_tile, x_rows, token_valid, w_rows, row_valid, start, stop, TOKENS, ROWS, BLOCK_K)
     offsets = (part * tokens + t)[:, None] * stride + rows[None, :]
     tl.store(partials_ptr + offsets, partial, mask=token_valid[:, None] & row_valid[None, :])
     tl.debug_barrier()  # every thread's partial sums are written before the release below
@@ -362,11 +373,17 @@ def _grouped_gate_up_kernel(
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr, MAX_GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    after_predecessor(PDL)
     group = tl.program_id(0)
     t = tl.arange(0, TOKENS)
-    # a listed expert, or the shared one (selects rather than branches keep the pointers' alignment known)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    # a listed expert, or the shared one (selects rather than branches keep the pointers' alignment known); the
+    # shared expert's programs load their first gate and up tiles before waiting for the router
     shared = group >= MAX_GROUPS
+    shared_rows = shared_gate_up_ptr + rows.to(tl.int64) * hidden
+    shared_valid = (rows < shared_inner) & shared
+    first_gate = weight_tile(shared_rows, shared_valid, 0, hidden, BLOCK_K)
+    first_up = weight_tile(shared_rows + shared_inner * hidden, shared_valid, 0, hidden, BLOCK_K)
+    after_predecessor(PDL)
     run = (group < tl.load(count_ptr)) | shared
     expert = tl.load(active_ptr + group, mask=run & ~shared, other=0).to(tl.int64)
     chosen, weights = _load_routing(experts_ptr, weights_ptr, tokens, TOKENS, TOP_K, TOP_K_PAD)
@@ -376,12 +393,14 @@ def _grouped_gate_up_kernel(
     weight_base = tl.where(shared, shared_gate_up_ptr, gate_up_ptr + expert * 2 * inner * hidden)
     out_rows = tl.where(shared, shared_act_ptr + t.to(tl.int64) * shared_inner, act_ptr + pair.to(tl.int64) * inner)
     if run:
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         row_valid = rows < width
         gate_rows = weight_base + rows.to(tl.int64) * hidden
-        gate, up = _dot_row_pairs(
-            x_ptr + t * x_stride, uses, gate_rows, gate_rows + width * hidden, row_valid, hidden,
-            TOKENS, ROWS, BLOCK_K,
+        routed_valid = row_valid & ~shared  # a routed expert's first tiles (masked loads are zero: sums are exact)
+        first_gate += weight_tile(gate_rows, routed_valid, 0, hidden, BLOCK_K)
+        first_up += weight_tile(gate_rows + width * hidden, routed_valid, 0, hidden, BLOCK_K)
+        gate, up = _dot_row_pairs_from(
+            first_gate, first_up, x_ptr + t * x_stride, uses, gate_rows, gate_rows + width * hidden, row_valid,
+            hidden, TOKENS, ROWS, BLOCK_K,
         )
         out_type = act_ptr.dtype.element_ty
         gate = gate.to(out_type).to(tl.float32)
@@ -435,16 +454,17 @@ def _grouped_down_kernel(
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, MAX_GROUPS: tl.constexpr, HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    after_predecessor(PDL)
     block = tl.program_id(0)
     group = tl.program_id(1)
     rows = block * ROWS + tl.arange(0, ROWS)
     row_valid = rows < hidden
     t = tl.arange(0, TOKENS)
     out_type = out_ptr.dtype.element_ty
+    # The routing is final before this kernel starts (its predecessor, the gate/up kernel, let it launch only after
+    # waiting for the router), so the expert and its first weight tile load before the wait for gate/up.
     shared = group >= MAX_GROUPS  # the shared expert: its outputs follow the pairs'
-    run = (group < tl.load(count_ptr)) | shared
-    expert = tl.load(active_ptr + group, mask=run & ~shared, other=0).to(tl.int64)
+    run = (group < tl.load(count_ptr, cache_modifier=".cg")) | shared
+    expert = tl.load(active_ptr + group, mask=run & ~shared, other=0, cache_modifier=".cg").to(tl.int64)
     chosen, weights = _load_routing(experts_ptr, weights_ptr, tokens, TOKENS, TOP_K, TOP_K_PAD)
     uses, pair, _ = _rows_of_expert(chosen, weights, expert, TOP_K, TOP_K_PAD)
     uses = tl.where(shared, t < tokens, uses)
@@ -453,8 +473,10 @@ def _grouped_down_kernel(
     w_rows = tl.where(shared, shared_down_ptr, down_ptr + expert * hidden * inner) + rows.to(tl.int64) * width
     x_rows = tl.where(shared, shared_act_ptr + t.to(tl.int64) * shared_inner, act_ptr + pair * inner)
     out_rows = pair_out_ptr + pair * hidden
+    first_tile = weight_tile(w_rows, row_valid & run, 0, width, BLOCK_K)
+    after_predecessor(PDL)
     if run:
-        y = _dot_rows(x_rows, uses, w_rows, row_valid, 0, width, TOKENS, ROWS, BLOCK_K)
+        y = _dot_rows_from(first_tile, x_rows, uses, w_rows, row_valid, 0, width, TOKENS, ROWS, BLOCK_K)
         tl.store(out_rows[:, None] + rows[None, :], y.to(out_type), mask=uses[:, None] & row_valid[None, :])
     tl.debug_barrier()
     finished = tl.atomic_add(counters_ptr + block, 1, sem="acq_rel", scope="gpu")

@@ -17,8 +17,9 @@ reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependen
 sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
 the weights stream while the previous kernel drains.
 
-The JIT helpers here (``after_predecessor``, ``accumulate``, ``inverse_rms``, ``dot_normed_rows``) are shared with
-the grouped MoE kernels (``moe_grouped``), whose router normalises its input the same way.
+The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``inverse_rms``,
+``dot_normed_rows_from``) are shared with the grouped MoE kernels (``moe_grouped``), whose router normalises its input
+the same way.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ def default_gated_tiles(tokens: int, device: torch.device | str = "cpu") -> Gemv
     if tokens == 1:
         return GemvTiles(rows=2, block_k=2048, warps=4, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
+
+
+def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """A wrapper's ``pdl`` argument: None means wherever ``device`` supports it; True where it does not is an error."""
+    if pdl is None:
+        return pdl_supported(device)
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability 9.0+; got {device}")
+    return pdl
 
 
 def launch_options(pdl: bool) -> dict:
@@ -163,6 +173,37 @@ def dot_normed_rows(
 
 
 @triton.jit
+def weight_tile(w_rows, row_valid, start, stop, BLOCK_K: tl.constexpr):
+    """The ``[ROWS, BLOCK_K]`` weight tile at columns ``[start, start + BLOCK_K)`` (zero past ``stop``): a program
+    loads it before ``after_predecessor`` so it streams while the previous kernel drains."""
+    cols = start + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < stop)[None, :], other=0.0)
+
+
+@triton.jit
+def dot_normed_rows_from(
+    first_tile, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start, stop,
+    hidden_out_rows, normed_out_rows, write_out,
+    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``dot_normed_rows`` from a zero accumulator whose first step multiplies ``first_tile`` (``weight_tile`` at
+    ``start``) instead of loading it."""
+    cols = start + tl.arange(0, BLOCK_K)
+    col_valid = cols < stop
+    mask = token_valid[:, None] & col_valid[None, :]
+    summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+    acc = _normed_product(
+        tl.zeros((TOKENS, ROWS), tl.float32), first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd,
+        hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
+    )
+    return dot_normed_rows(
+        acc, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start + BLOCK_K, stop,
+        hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS, BLOCK_K,
+    )
+
+
+@triton.jit
 def _add_norm_gemv_kernel(
     hidden_ptr, hidden_stride, pending_ptr, pending_stride, norm_weight_ptr, w_ptr, out_ptr, hidden_out_ptr,
     normed_out_ptr, tokens, out_features, width, eps,
@@ -174,7 +215,7 @@ def _add_norm_gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64) * width
     cols = tl.arange(0, BLOCK_K)
     col_valid = cols < width
-    first_tile = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+    first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
     after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
     t = tl.arange(0, TOKENS)
     token_valid = t < tokens
@@ -282,8 +323,7 @@ def _gated_norm_gemv_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
     w_rows = w_ptr + rows.to(tl.int64) * width
-    cols = tl.arange(0, BLOCK_K)
-    first_tile = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < width)[None, :], other=0.0)
+    first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
     after_predecessor(PDL)
     t = tl.arange(0, TOKENS)
     token_valid = t < tokens
@@ -294,8 +334,7 @@ def _gated_norm_gemv_kernel(
     acc = _gated_product(acc, first_tile, 0, core_rows, z_rows, norm_weight, token_valid, heads, eps,
                          TOKENS, HEADS_PER_TILE, DV)
     for first in range(BLOCK_K, width, BLOCK_K):
-        cols = first + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < width)[None, :], other=0.0)
+        w = weight_tile(w_rows, row_valid, first, width, BLOCK_K)
         acc = _gated_product(acc, w, first, core_rows, z_rows, norm_weight, token_valid, heads, eps,
                              TOKENS, HEADS_PER_TILE, DV)
     out = out_ptr + t[:, None] * out_features + rows[None, :]
