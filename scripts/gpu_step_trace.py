@@ -71,12 +71,43 @@ def analyse(trace: dict, steps: int) -> list[str]:
     return lines
 
 
+def critical_path(trace: dict, step: str = "bench_step_3", top: int = 20) -> list[str]:
+    """Device time of one step per kernel name, each kernel charged only for the time after every earlier kernel
+    ended (kernels overlap under PDL), largest first; and the device's idle time inside the step."""
+    events = trace["traceEvents"]
+    marks = [e for e in events if e.get("name") == step and e.get("cat") == "user_annotation"]
+    if not marks:
+        return []
+    start, stop = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
+    device = [(a, b, n) for a, b, n in device_intervals(events) if start <= a <= stop]
+    if not device:
+        return []
+    charged: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    cursor, idle = device[0][0], 0.0
+    for a, b, name in device:
+        idle += max(0.0, a - cursor)
+        charged[name[:60]] = charged.get(name[:60], 0.0) + max(0.0, b - max(a, cursor))
+        counts[name[:60]] = counts.get(name[:60], 0) + 1
+        cursor = max(cursor, b)
+    lines = [f"{step}: device span {cursor - device[0][0]:.1f} us, idle {idle:.1f} us; critical path per kernel:"]
+    for name, us in sorted(charged.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"  {us:8.1f} us x{counts[name]:<4} {name}")
+    return lines
+
+
 def run(name: str, out: Path) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config_dict = preset_config(name)
     tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
     runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
     del tensors
+    trace_runtime(runtime, name, out)
+
+
+def trace_runtime(runtime, name: str, out: Path) -> None:
+    """Profile ``STEPS`` benchmark steps of ``runtime``; print the tables, write ``trace_<name>.json.gz``."""
+    device = runtime.model.device
     vocab = runtime.config.vocab_size
     rows = Rows(runtime, 1, CONTEXT + STEPS + 16)
     with torch.no_grad():
@@ -98,6 +129,8 @@ def run(name: str, out: Path) -> None:
     print(f"== {name}: host ops by self CPU time ({STEPS} steps)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     for line in analyse(trace, STEPS):
+        print(line)
+    for line in critical_path(trace):
         print(line)
 
 
