@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes beyond the bare graph replay, and the prefill TTFT (CUDA only).
 
 Usage (on a CUDA machine):
-``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] qwen3.6-27b [...]``
+``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] [--segments=1,4] qwen3.6-27b [...]``
 
 For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value it measures, per
 decode step at 256 tokens of context:
@@ -180,8 +180,10 @@ def main(out_dir: str, *names: str) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flags = {n for n in names if n.startswith("--")}
+    segments = [int(n) for flag in flags if flag.startswith("--segments=") for n in flag.split("=", 1)[1].split(",")]
     for name in (n for n in names if not n.startswith("--")):
-        run_preset(name, [1, 4], out, decode="--ttft-only" not in flags, prefill="--decode-only" not in flags)
+        run_preset(name, segments or [1, 4], out, decode="--ttft-only" not in flags,
+                   prefill="--decode-only" not in flags)
     return 0
 
 

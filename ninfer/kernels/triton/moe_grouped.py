@@ -47,7 +47,6 @@ from ninfer.kernels.triton.norm_gemv import (
 )
 
 MAX_TOKENS = 64  # rows one call takes: the routing of all rows runs in one program
-MAX_SUMMED_GROUPS = 16  # listed experts whose down tiles one ``down_summed`` program holds at once
 
 
 @attrs.frozen
@@ -66,7 +65,6 @@ class MoETiles:
     down_block_k: int = 512
     down_warps: int = 4
     down_stages: int = 3
-    down_summed: bool = False  # one program per hidden block sums every expert itself (no last-program pass)
     pdl: bool = False  # programmatic dependent launch: a kernel starts while its predecessor drains (sm_90+)
 
 
@@ -501,49 +499,6 @@ def _grouped_down_kernel(
         tl.atomic_xchg(counters_ptr + block, 0)
 
 
-@triton.jit
-def _summed_down_kernel(
-    act_ptr, down_ptr, shared_act_ptr, shared_down_ptr, logits_ptr, experts_ptr, weights_ptr, active_ptr,
-    count_ptr, out_ptr, tokens, hidden, inner, shared_inner, num_experts,
-    TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr, MAX_GROUPS: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per block of hidden rows: every listed expert's (and the shared expert's) down rows, weighted and
-    summed in ascending expert order as the twin sums them. All weight tiles load before the wait for gate/up."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_valid = rows < hidden
-    t = tl.arange(0, TOKENS)
-    out_type = out_ptr.dtype.element_ty
-    count = tl.load(count_ptr, cache_modifier=".cg")
-    chosen, weights = _load_routing(experts_ptr, weights_ptr, tokens, TOKENS, TOP_K, TOP_K_PAD)
-    experts = ()
-    tiles = ()
-    for group in tl.static_range(MAX_GROUPS):
-        run = group < count
-        expert = tl.load(active_ptr + group, mask=run, other=num_experts, cache_modifier=".cg")  # unused: no row
-        w_rows = down_ptr + expert.to(tl.int64) * hidden * inner + rows.to(tl.int64) * inner
-        experts = experts + (expert,)
-        tiles = tiles + (weight_tile(w_rows, row_valid & run, 0, inner, BLOCK_K),)
-    if HAS_SHARED:
-        shared_tile = weight_tile(shared_down_ptr + rows.to(tl.int64) * shared_inner, row_valid, 0, shared_inner,
-                                  BLOCK_K)
-    after_predecessor(PDL)
-    total = tl.zeros((TOKENS, ROWS), tl.float32)
-    for group in tl.static_range(MAX_GROUPS):
-        uses, pair, weight = _rows_of_expert(chosen, weights, experts[group], TOP_K, TOP_K_PAD)
-        x = _x_tile(act_ptr + pair.to(tl.int64) * inner, uses, 0, inner, BLOCK_K)
-        y = accumulate(tl.zeros((TOKENS, ROWS), tl.float32), x, tiles[group], TOKENS)
-        total += weight[:, None] * y.to(out_type).to(tl.float32)  # each expert's output is an activation
-    if HAS_SHARED:
-        token_valid = t < tokens
-        x = _x_tile(shared_act_ptr + t.to(tl.int64) * shared_inner, token_valid, 0, shared_inner, BLOCK_K)
-        y = accumulate(tl.zeros((TOKENS, ROWS), tl.float32), x, shared_tile, TOKENS)
-        gate = tl.sigmoid(tl.load(logits_ptr + t * (num_experts + 1) + num_experts, mask=token_valid, other=0.0))
-        total += gate[:, None] * y.to(out_type).to(tl.float32)
-    tl.store(out_ptr + t[:, None] * hidden + rows[None, :], total.to(out_type),
-             mask=(t < tokens)[:, None] & row_valid[None, :])
-
-
 def grouped_down(
     act: torch.Tensor,
     down: torch.Tensor,
@@ -579,15 +534,6 @@ def grouped_down(
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, **launch_options(tiles.pdl),
     )
     shared_args = (shared_act, shared_down) if has_shared else (act, down)
-    if tiles.down_summed:
-        if common["BLOCK_K"] < max(inner, shared_inner) or max_groups > MAX_SUMMED_GROUPS:
-            raise ValueError(f"down_summed needs down_block_k >= {max(inner, shared_inner)} and at most "
-                             f"{MAX_SUMMED_GROUPS} listed experts; got {common['BLOCK_K']}, {max_groups}")
-        _summed_down_kernel[(blocks,)](
-            act, down, *shared_args, routing.logits, routing.experts, routing.weights, routing.active,
-            routing.count, out, tokens, hidden, inner, shared_inner, num_experts, **common,
-        )
-        return out
     counters = _workspace(workspace, hidden, act.device)[1:]
     pair_out = torch.empty((tokens * (top_k + 1), hidden), dtype=act.dtype, device=act.device)
     _grouped_down_kernel[(blocks, max_groups + has_shared)](

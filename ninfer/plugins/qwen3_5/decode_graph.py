@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache
 from ninfer.kernels.triton import next_power_of_2, triton_available
+from ninfer.kernels.triton.act_gemv import act_gemv
 from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv
 from ninfer.kernels.triton.conv import causal_conv1d_update
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
@@ -155,6 +156,8 @@ class DecodeGraphRunner:
         gdn_value_split: int = 4,
         norm_gemv_rows: int = 0,
         norm_gemv_ffn: bool = True,
+        down_gemv_rows: int = 1,
+        out_gemv_rows: int = 1,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -185,6 +188,11 @@ class DecodeGraphRunner:
             raise ValueError(f"norm_gemv_rows must be >= 0, got {norm_gemv_rows}")
         self.norm_gemv_rows = norm_gemv_rows
         self.norm_gemv_ffn = norm_gemv_ffn
+        # batches of at most this many rows run the dense MLP's SiLU·mul + down projection as one ``act_gemv``
+        # launch (``down_gemv_rows``) and the attention / unfolded GDN output projections on ``act_gemv`` instead of
+        # cuBLAS (``out_gemv_rows``); 0: never (docs/performance.md, round 6)
+        self.down_gemv_rows = down_gemv_rows
+        self.out_gemv_rows = out_gemv_rows
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -335,7 +343,7 @@ class DecodeGraphRunner:
         )
         if fold_norm:
             return gated_norm_gemv(core, z, weights.norm, weights.out_proj, config.rms_norm_eps)
-        return F.linear(core.view(projected.shape[0], config.linear_value_dim), weights.out_proj)
+        return self._out_projection(core.view(projected.shape[0], config.linear_value_dim), weights.out_proj)
 
     def gated_deltanet_inputs(
         self, projected: torch.Tensor
@@ -380,13 +388,25 @@ class DecodeGraphRunner:
         attended = paged_attention_decode(
             query, key_cache, value_cache, inputs.page_tables, total_lens, scale=self.config.head_dim**-0.5, gate=gate
         )
-        return F.linear(attended, weights.o_proj)
+        return self._out_projection(attended, weights.o_proj)
+
+    def _out_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A mixer's output projection: ``act_gemv`` for small batches (``out_gemv_rows``), else cuBLAS."""
+        if x.shape[0] <= min(self.out_gemv_rows, NORM_GEMV_MAX_ROWS):
+            return act_gemv(x, weight)
+        return F.linear(x, weight)
+
+    def _down_projection(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The dense MLP's ``down(silu(gate) * up)``: one ``act_gemv`` for small batches (``down_gemv_rows``)."""
+        if gate_up.shape[0] <= min(self.down_gemv_rows, NORM_GEMV_MAX_ROWS):
+            return act_gemv(gate_up, weight, silu_mul=True)
+        return F.linear(silu_mul(gate_up), weight)
 
     def feed_forward(self, layer: DecoderLayerWeights, fused: FusedProjections, normed: torch.Tensor) -> torch.Tensor:
         """The layer's dense or MoE block on the decode kernels (also the MTP layer's, see ``Qwen35MTP``)."""
         mlp = layer.mlp
         if isinstance(mlp, DenseMLPWeights):
-            return F.linear(silu_mul(F.linear(normed, fused.ffn_in)), mlp.down_proj)
+            return self._down_projection(F.linear(normed, fused.ffn_in), mlp.down_proj)
         if self._grouped_moe(normed.shape[0]):
             return grouped_moe_decode(normed, **self._grouped_moe_weights(mlp, fused))
         return self._routed_experts(mlp, normed, F.linear(normed, fused.ffn_in))
@@ -398,7 +418,7 @@ class DecodeGraphRunner:
         mlp, norm, eps = layer.mlp, layer.post_attention_layernorm, self.config.rms_norm_eps
         if isinstance(mlp, DenseMLPWeights):
             hidden, gate_up, _ = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps)
-            return hidden, F.linear(silu_mul(gate_up), mlp.down_proj)
+            return hidden, self._down_projection(gate_up, mlp.down_proj)
         if self._grouped_moe(hidden.shape[0]):
             weights = self._grouped_moe_weights(mlp, fused)
             out, hidden = grouped_moe_decode_add_norm(hidden, pending, norm, eps, **weights)

@@ -435,7 +435,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
             key_heads=config.linear_num_key_heads, tokens_per_row=inputs.q, z=z, norm_weight=weights.norm,
             norm_eps=config.rms_norm_eps, states_out=ssm_states,
         )
-        return F.linear(core.view(normed.shape[0], config.linear_value_dim), weights.out_proj)
+        return self._out_projection(core.view(normed.shape[0], config.linear_value_dim), weights.out_proj)
 
     def _verify_attention(
         self,
@@ -459,4 +459,4 @@ class VerifyGraphRunner(DecodeGraphRunner):
             query, key_cache, value_cache, inputs.page_tables, inputs.context_lens, tokens_per_row=inputs.q,
             scale=self.config.head_dim**-0.5, gate=gate,
         )
-        return F.linear(attended, weights.o_proj)
+        return self._out_projection(attended, weights.o_proj)
