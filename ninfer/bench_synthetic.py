@@ -53,12 +53,14 @@ class Clock:
 
 
 def copy_bandwidth(device: torch.device, clock: Clock, *, nbytes: int = COPY_BYTES, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats)."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats, after
+    as many untimed copies: an idle GPU's first copies run slower, up to 10 % on the H200)."""
     if device.type != "cuda":
         nbytes = min(nbytes, 1 << 26)
     source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     target = torch.empty_like(source)
-    target.copy_(source)
+    for _ in range(repeats):
+        target.copy_(source)
     times = [clock.measure(lambda: target.copy_(source)) for _ in range(repeats)]
     return 2 * nbytes / (statistics.median(times) / 1e3)
 
@@ -136,10 +138,14 @@ class Rows:
 
 
 def bench_ninfer_decode(
-    runtime: Qwen35Runtime, prompts: torch.Tensor, steps: int, clock: Clock, warmup: int = 3
+    runtime: Qwen35Runtime, prompts: torch.Tensor, steps: int, clock: Clock, warmup: int = 8
 ) -> tuple[float, list[int], float | None]:
     """(ms for ``steps`` decode steps of all rows, greedy tokens of row 0 incl. the one from the prompt, ms of one
-    bare graph replay back to back, without host work, or None without graphs)."""
+    bare graph replay back to back, without host work, or None without graphs).
+
+    The ``warmup`` steps before the timed ones capture the graphs and let the process settle: the first timed
+    steps of a fresh process after only 3 of them ran ~30 ms slower in all (H200, 27B: 14.6 vs 14.2 ms per step
+    over 64 steps, ``scripts/gpu_gc_check.py``)."""
     rows = Rows(runtime, prompts.shape[0], prompts.shape[1] + warmup + steps + 1)
     with torch.no_grad():
         tokens = rows.forward(list(prompts))
