@@ -26,7 +26,7 @@ from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.layers import DecoderLayerWeights, GatedDeltaNetWeights
 from ninfer.plugins.qwen3_5.presets import preset_config
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_runtime
 
 PAGE_SIZE = 16
 COPY_BYTES = 1 << 31  # 2 GiB: far beyond L2
@@ -353,10 +353,7 @@ def run_synthetic_bench(
         )
         del tensors
     else:
-        tensors = random_text_weights(config_dict, device=target, dtype=dtype, seed=seed)
-        runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=dtype, device=target,
-                                cuda_graphs=cuda_graphs)
-        del tensors
+        runtime = random_runtime(name, device=target, dtype=dtype, seed=seed, cuda_graphs=cuda_graphs)
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, config.vocab_size, (max(concurrency), decode_context), generator=generator)

@@ -28,9 +28,7 @@ from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, co
 from ninfer.kernels.triton import act_gemv as act_gemv_module
 from ninfer.kernels.triton.act_gemv import act_gemv
 from ninfer.kernels.triton.norms import silu_mul
-from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 DEFAULT_TILES = act_gemv_module.default_act_tiles
 SHAPES = {  # label: (K, out rows, SiLU·mul input)
@@ -83,12 +81,9 @@ def best_tiles(table: dict) -> tuple[int, ...] | None:
 
 
 def step(name: str, device: torch.device, clock: Clock, tuned: tuple[int, ...] | None) -> dict:
-    config_dict = preset_config(name)
-    config = Qwen35TextConfig.from_hf(config_dict)
     bandwidth = copy_bandwidth(device, clock)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(name, device=device)
+    config = runtime.config
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))

@@ -14,8 +14,7 @@ import sys
 import torch
 
 from ninfer.bench_synthetic import Clock, bench_ninfer_decode
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 STEPS = 64
 
@@ -24,11 +23,8 @@ def main(*names: str) -> int:
     device = torch.device("cuda")
     clock = Clock(device)
     for name in names:
-        config_dict = preset_config(name)
-        tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-        runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
-        del tensors
-        prompt = torch.randint(0, config_dict["vocab_size"], (1, 256), generator=torch.Generator().manual_seed(0))
+        runtime = random_runtime(name, device=device)
+        prompt = torch.randint(0, runtime.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
         print(f"{name}: {len(gc.get_objects())} tracked objects", flush=True)
         for label, setup in (("gc as is", gc.enable), ("gc.freeze()", gc.freeze), ("gc disabled", gc.disable)):
             setup()

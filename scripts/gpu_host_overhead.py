@@ -34,9 +34,7 @@ import torch
 from ninfer.bench_synthetic import Clock, Rows, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, decode_bytes
 from ninfer.bench_synthetic import _weight_bytes, profile_prefill
 from ninfer.core.runtime import ForwardBatch
-from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 STEPS = 32
 CONTEXT = 256
@@ -105,13 +103,10 @@ def run_preset(
     name: str, segments_options: list[int], out: Path, *, decode: bool = True, prefill: bool = True
 ) -> dict:
     device = torch.device("cuda")
-    config_dict = preset_config(name)
-    config = Qwen35TextConfig.from_hf(config_dict)
     clock = Clock(device)
     bandwidth = copy_bandwidth(device, clock)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(name, device=device)
+    config = runtime.config
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (8, CONTEXT), generator=generator)

@@ -27,9 +27,7 @@ from gpu_step_trace import trace_runtime
 from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
 from ninfer.kernels.triton import moe_grouped
 from ninfer.kernels.triton.moe_grouped import MoETiles, grouped_moe_decode_add_norm, moe_workspace
-from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 PRESET = "qwen3.6-35b-a3b"
 DEFAULT_TILES = moe_grouped.default_tiles
@@ -90,12 +88,9 @@ def block_sweep(device: torch.device, clock: Clock) -> tuple[dict, MoETiles]:
 
 
 def step_variants(device: torch.device, clock: Clock, best: MoETiles, out: Path) -> dict:
-    config_dict = preset_config(PRESET)
-    config = Qwen35TextConfig.from_hf(config_dict)
     bandwidth = copy_bandwidth(device, clock)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(PRESET, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(PRESET, device=device)
+    config = runtime.config
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))

@@ -46,9 +46,7 @@ from ninfer.kernels.triton.moe_grouped import (
     route_experts,
 )
 from ninfer.kernels.triton.norms import silu_mul
-from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 PRESET = "qwen3.6-35b-a3b"
 CALLS = 40
@@ -271,12 +269,9 @@ ORIGINAL_DEFAULT_TILES = moe_grouped.default_tiles
 
 
 def whole_step(device: torch.device, clock: Clock, tuned: dict) -> dict:
-    config_dict = preset_config(PRESET)
-    config = Qwen35TextConfig.from_hf(config_dict)
     bandwidth = copy_bandwidth(device, clock)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(PRESET, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(PRESET, device=device)
+    config = runtime.config
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     prompts = torch.randint(0, config.vocab_size, (max(ROWS), 256), generator=torch.Generator().manual_seed(0))
     decoder = runtime.decoder

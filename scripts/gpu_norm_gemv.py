@@ -40,7 +40,7 @@ from ninfer.kernels.triton.norm_gemv import GemvTiles, add_norm_gemv, gated_norm
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 MODELS = ("qwen3.6-35b-a3b", "qwen3.6-27b")
 ROWS = (1, 8)
@@ -262,12 +262,9 @@ STEP_VARIANTS = {  # label: (norm_gemv_rows, norm_gemv_ffn, tuned tiles)
 
 def whole_step(name: str, clock: Clock, choice: dict, profile: bool) -> dict:
     device = torch.device("cuda")
-    config_dict = preset_config(name)
-    config = Qwen35TextConfig.from_hf(config_dict)
     bandwidth = copy_bandwidth(device, clock)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(name, device=device)
+    config = runtime.config
     weight_bytes, expert_bytes = _weight_bytes(runtime)
     prompts = torch.randint(0, config.vocab_size, (max(ROWS), CONTEXT), generator=torch.Generator().manual_seed(0))
     decoder = runtime.decoder

@@ -22,8 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ninfer.bench_synthetic import Rows
-from ninfer.plugins.qwen3_5.presets import preset_config
-from ninfer.plugins.qwen3_5.synthetic import InMemorySource, build_runtime, random_text_weights
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 STEPS = 6
 CONTEXT = 256
@@ -98,10 +97,7 @@ def critical_path(trace: dict, step: str = "bench_step_3", top: int = 20) -> lis
 
 def run(name: str, out: Path) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config_dict = preset_config(name)
-    tensors = random_text_weights(config_dict, device=device, dtype=torch.bfloat16, seed=0)
-    runtime = build_runtime(InMemorySource(name, config_dict, tensors), dtype=torch.bfloat16, device=device)
-    del tensors
+    runtime = random_runtime(name, device=device)
     trace_runtime(runtime, name, out)
 
 

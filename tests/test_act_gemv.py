@@ -11,6 +11,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.kernels.triton import triton_available
 
@@ -27,12 +28,6 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 # (K, out rows): 27B dense down, 35B-A3B attention out, an odd one; the interpreter: toy shapes
 SHAPES = [(17408, 5120), (4096, 2048), (1000, 333)] if CUDA else [(40, 37), (200, 64)]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:

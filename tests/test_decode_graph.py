@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.triton import triton_available
@@ -28,12 +29,6 @@ from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 2e-2 if CUDA else 1e-4
 PAGE_SIZE = 16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm())
 
 
 class Caches:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
@@ -36,12 +37,6 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 STATE_TOL = 1e-4
 BIG = CUDA
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape, scale=1.0):

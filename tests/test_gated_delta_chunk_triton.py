@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.kernels.gated_delta import chunk_gated_delta_rule
 from ninfer.kernels.triton import triton_available
@@ -31,12 +32,6 @@ from ninfer.kernels.triton.gated_delta_chunk import chunk_gated_delta_rule_fused
 HEAD_DIM = 128 if CUDA else 32
 KEY_HEADS, VALUE_HEADS = (4, 12) if CUDA else (1, 3)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2 if CUDA else 2e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def model_inputs(

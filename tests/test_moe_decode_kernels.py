@@ -14,6 +14,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.kernels.moe import moe_forward, route_tokens
 from ninfer.kernels.triton import triton_available
@@ -40,12 +41,6 @@ TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 # (hidden, inner, shared inner, experts, top_k): the 35B-A3B shape, sizes that are not powers of two, the tiny
 # test model of tests/test_qwen35_model.py
 SHAPES = [(2048, 512, 512, 256, 8), (1000, 200, 136, 24, 6), (64, 32, 32, 8, 2)] if CUDA else [(40, 12, 20, 16, 4)]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape, scale=1.0):

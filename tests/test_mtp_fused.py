@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.bench_spec import bench_sequence
 from ninfer.core.engine.batching import build_batch, text_positions
@@ -39,12 +40,6 @@ from ninfer.plugins.qwen3_5.mtp_graph import MTPDraftRunner  # noqa: E402
 PAGE_SIZE = 16
 PAGES_PER_ROW = 4
 K = 3
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _runtimes(preset: str, *, graphs: bool = False) -> tuple[Qwen35Runtime, Qwen35Runtime]:

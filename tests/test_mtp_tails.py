@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.core.engine.batching import text_positions
 from ninfer.core.engine.speculative import Draft
@@ -41,7 +42,7 @@ from ninfer.plugins.qwen3_5.mtp import Qwen35MTP  # noqa: E402
 from ninfer.plugins.qwen3_5.mtp_drafter import MTPDrafter  # noqa: E402
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime  # noqa: E402
 from speculation_support import assert_idle, make_engine, run  # noqa: E402
-from test_mtp_fused import K, PAGE_SIZE, PAGES_PER_ROW, _rows_with_tails, _runtimes, rel_err  # noqa: E402
+from test_mtp_fused import K, PAGE_SIZE, PAGES_PER_ROW, _rows_with_tails, _runtimes  # noqa: E402
 
 LENGTHS = (9, 23, 40)  # prompt lengths of the three rows
 TAILS = (1, 2, K + 1)  # their tails: the pending token's position plus 0, 1 and K accepted drafts

@@ -12,6 +12,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.kernels.norms import gated_rms_norm, rms_norm
 from ninfer.kernels.triton import triton_available
@@ -51,12 +52,6 @@ ADD_NORM_SHAPES = (
 GATED_SHAPES = [(32, 128, 2048), (48, 128, 5120), (5, 64, 300)] if CUDA else [(4, 16, 64), (5, 8, 37)]
 # the router block (hidden, experts, top_k, shared inner, inner): 35B-A3B, then toy
 MOE_SHAPE = (2048, 256, 8, 512, 512) if CUDA else (40, 16, 4, 12, 12)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:

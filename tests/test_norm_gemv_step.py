@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.kernels.triton import triton_available
 
@@ -19,7 +20,7 @@ CUDA = torch.cuda.is_available()
 if not triton_available("cuda" if CUDA else "cpu"):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
-from test_decode_graph import Caches, _runtimes, rel_err  # noqa: E402
+from test_decode_graph import Caches, _runtimes  # noqa: E402
 
 from ninfer.plugins.qwen3_5 import decode_graph  # noqa: E402
 from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402

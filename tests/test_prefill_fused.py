@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.attention import write_paged_kv
@@ -61,12 +62,6 @@ REAL_SIZES = {
 @pytest.fixture
 def seeded():
     torch.manual_seed(1234)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------- pure torch

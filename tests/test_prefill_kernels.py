@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.kernels.attention import paged_attention
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
 from ninfer.kernels.moe import moe_forward
 from ninfer.kernels.prefill import batched_chunk_gated_delta_rule, grouped_moe_forward, sdpa_paged_attention
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 130])

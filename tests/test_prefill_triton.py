@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
@@ -28,12 +29,6 @@ from ninfer.kernels.triton.chunk_state import chunk_state_pass  # noqa: E402
 from ninfer.kernels.triton.conv import causal_conv1d_prefill  # noqa: E402
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("chunks, key_dim, value_dim", [(1, 16, 16), (5, 32, 64)])

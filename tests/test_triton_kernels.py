@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
 from ninfer.kernels.conv import causal_conv1d
@@ -36,12 +37,6 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 STATE_TOL = 1e-4
 BIG = CUDA  # real head sizes on the GPU, toy ones in the interpreter
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape, dtype=DTYPE, scale=1.0):

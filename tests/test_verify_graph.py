@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
 
 from ninfer.kernels.attention import paged_attention
 from ninfer.kernels.conv import causal_conv1d
@@ -39,12 +40,6 @@ KERNEL_TOL = 1e-2 if CUDA else 1e-5
 # whole verify forward against the generic path: fp32 matches to rounding; bf16 to its own noise (as the decode path)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 PAGE_SIZE = 16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def randn(*shape: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ninfer.plugins.qwen3_5.config import Qwen35TextConfig, resolve_architecture
 from ninfer.plugins.qwen3_5.layers import DecoderLayerWeights
 from ninfer.plugins.qwen3_5.model import Qwen35Model, WeightLoader
 from ninfer.plugins.qwen3_5.mtp import Qwen35MTP
+from ninfer.plugins.qwen3_5.presets import preset_config
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime, accelerate
 from ninfer.plugins.qwen3_5.weights import Shapes, expected_weights, mtp_weights
 
@@ -130,3 +131,17 @@ def build_runtime(
     if mtp is not None:  # the MTP step shares the trunk's embedding and lm_head: point it at the accelerated model
         mtp = Qwen35MTP(model, mtp.weights)
     return Qwen35Runtime(model, mtp, decoder)
+
+
+def random_runtime(
+    name: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    cuda_graphs: bool = True,
+) -> Qwen35Runtime:
+    """The named preset's text model (``presets``) with random weights drawn on ``device``, never on the host."""
+    config = preset_config(name)
+    tensors = random_text_weights(config, device=device, dtype=dtype, seed=seed)
+    return build_runtime(InMemorySource(name, config, tensors), dtype=dtype, device=device, cuda_graphs=cuda_graphs)
