@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
 from ninfer.kernels.triton import triton_available
 
@@ -85,12 +85,4 @@ def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens)
         y = act_gemv(F.linear(x, entry), down, silu_mul=True, tiles=tiles)
         return act_gemv(y, back, tiles=tiles)
 
-    expected = [chain(x, False) for x in xs]
-    [chain(x, True) for x in xs]  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [chain(x, True) for x in xs]
-    graph.replay()
-    torch.cuda.synchronize()
-    for out, ref in zip(outs, expected):
-        assert torch.equal(out, ref)
+    assert_pdl_graph_matches_plain(chain, xs)

@@ -14,7 +14,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
 from ninfer.kernels.moe import moe_forward, route_tokens
 from ninfer.kernels.triton import triton_available
@@ -197,15 +197,7 @@ def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens)
             tiles=attrs.evolve(default_tiles(tokens, DEVICE), pdl=pdl),
         )
 
-    expected = [block(x, False) for x in xs]
-    [block(x, True) for x in xs]  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [block(x, True) for x in xs]
-    graph.replay()
-    torch.cuda.synchronize()
-    for out, ref in zip(outs, expected):
-        assert torch.equal(out, ref)
+    assert_pdl_graph_matches_plain(block, xs)
     assert not workspace.any()
 
 

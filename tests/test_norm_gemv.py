@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
 from ninfer.kernels.norms import gated_rms_norm, rms_norm
 from ninfer.kernels.triton import triton_available
@@ -222,16 +222,7 @@ def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens)
         pending = gated_norm_gemv(core, z, gated_norm, out_weight, EPS, tiles=gated_tiles)
         return add_norm_gemv(hidden, pending, norm_weight, weight, EPS, tiles=tiles)[:2]
 
-    expected = [chain(*start, False) for start in starts]
-    [chain(*start, True) for start in starts]  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [chain(*start, True) for start in starts]
-    graph.replay()
-    torch.cuda.synchronize()
-    for out, ref in zip(outs, expected):
-        for got, want in zip(out, ref):
-            assert torch.equal(got, want)
+    assert_pdl_graph_matches_plain(lambda start, pdl: chain(*start, pdl), starts)
 
 
 def test_fused_gemvs_reject_bad_inputs():
