@@ -7,7 +7,7 @@ the step is captured right after it and replayed from then on. With graphs disab
 
 The captured step is split into ``graph_segments`` graphs of consecutive layers, launched one after the other, of
 1, 4, 16, ... layers (the last takes the rest, ``segment_bounds``). The GPU starts a graph only once its launch call
-returns, and that call costs the host about 1 µs per kernel node (~0.1 ms per 10 MoE layers on the H200), so the
+returns, and that call costs the host up to ~0.1 ms for a whole step (27B on the H200: its cuBLAS nodes), so the
 first graph is one layer: the GPU starts on it at once and each later launch is hidden behind the GPU time of the
 graph before it (each step waits for its token on the host, so nothing else hides the first).
 
