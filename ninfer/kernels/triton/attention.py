@@ -113,182 +113,13 @@ def qk_norm_rope_write_kv(
 
 
 @triton.jit
-def _decode_partial_kernel(
+def _partial_kernel(
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
     page_tables_ptr,
     page_tables_stride,
     total_lens_ptr,
-    partial_out_ptr,
-    partial_max_ptr,
-    partial_sum_ptr,
-    scale,
-    page_size,
-    num_splits,
-    QUERY_HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    total = tl.load(total_lens_ptr + row)
-    start = split * SPLIT
-    if start < total:
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        heads = kv_head * GROUP + g
-        valid_head = g < GROUP
-        q = tl.load(q_ptr + (row * QUERY_HEADS + heads)[:, None] * D + d[None, :], mask=valid_head[:, None], other=0.0)
-        running_max = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        running_sum = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, D), tl.float32)
-        end = tl.minimum(start + SPLIT, total)
-        for block in range(start, end, BLOCK_N):
-            index = block + tl.arange(0, BLOCK_N)
-            valid = index < end
-            page = tl.load(page_tables_ptr + row * page_tables_stride + index // page_size, mask=valid, other=0)
-            slot = page.to(tl.int64) * page_size + index % page_size
-            offsets = (slot * KV_HEADS + kv_head)[:, None] * D + d[None, :]
-            k = tl.load(key_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            alpha = tl.exp(running_max - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            running_sum = running_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(value_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            running_max = new_max
-        stat = (row * QUERY_HEADS + heads) * num_splits + split
-        tl.store(partial_max_ptr + stat, running_max, mask=valid_head)
-        tl.store(partial_sum_ptr + stat, running_sum, mask=valid_head)
-        tl.store(partial_out_ptr + stat[:, None] * D + d[None, :], acc, mask=valid_head[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    partial_out_ptr,
-    partial_max_ptr,
-    partial_sum_ptr,
-    total_lens_ptr,
-    gate_ptr,
-    gate_row_stride,
-    gate_head_stride,
-    out_ptr,
-    num_splits,
-    QUERY_HEADS: tl.constexpr,
-    D: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    used = tl.cdiv(tl.load(total_lens_ptr + row), SPLIT)
-    base = (row * QUERY_HEADS + head) * num_splits
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for first in range(0, used, BLOCK_S):
-        m = tl.load(partial_max_ptr + base + first + s, mask=first + s < used, other=float("-inf"))
-        best = tl.maximum(best, m)
-    global_max = tl.max(best, axis=0)
-    total_sum = tl.zeros((BLOCK_S,), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    for first in range(0, used, BLOCK_S):
-        index = first + s
-        valid = index < used
-        weight = tl.exp(tl.load(partial_max_ptr + base + index, mask=valid, other=float("-inf")) - global_max)
-        total_sum += weight * tl.load(partial_sum_ptr + base + index, mask=valid, other=0.0)
-        part = tl.load(partial_out_ptr + (base + index)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        acc += tl.sum(part * weight[:, None], axis=0)
-    out = acc / tl.sum(total_sum, axis=0)
-    if HAS_GATE:
-        gate = tl.load(gate_ptr + row * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
-        out = out * tl.sigmoid(gate)
-    tl.store(out_ptr + (row * QUERY_HEADS + head) * D + d, out.to(out_ptr.dtype.element_ty))
-
-
-def decode_split_tokens(max_tokens: int, *, max_splits: int = 256, minimum: int = 64) -> int:
-    """Tokens per split-K chunk so that at most ``max_splits`` chunks cover ``max_tokens`` (a power of two)."""
-    split = minimum
-    while split * max_splits < max_tokens:
-        split *= 2
-    return split
-
-
-def paged_attention_decode(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    page_tables: torch.Tensor,
-    total_lens: torch.Tensor,
-    *,
-    scale: float,
-    gate: torch.Tensor | None = None,
-    split_tokens: int | None = None,
-) -> torch.Tensor:
-    """One query token per row attends to its first ``total_lens[row]`` cached tokens (the new one included).
-
-    ``q [B, Hq, D]``; caches ``[pages, page_size, Hkv, D]``; ``page_tables [B, P]`` and ``total_lens [B]`` are
-    int32 or int64 on the device. ``gate [B, Hq, D]`` (any strides, unit last stride) multiplies the output by
-    sigmoid(gate). The grid covers ``P * page_size`` tokens, so the launch never depends on host-side lengths.
-    Returns ``[B, Hq*D]``.
-    """
-    batch, query_heads, dim = q.shape
-    _, page_size, kv_heads, cache_dim = key_cache.shape
-    if cache_dim != dim or query_heads % kv_heads:
-        raise ValueError(f"q [B, {query_heads}, {dim}] does not fit caches with {kv_heads} KV heads of dim {cache_dim}")
-    if not q.is_contiguous() or page_tables.stride(1) != 1:
-        raise ValueError("q must be contiguous and page_tables must have contiguous rows")
-    max_tokens = page_tables.shape[1] * page_size
-    split = split_tokens or decode_split_tokens(max_tokens)
-    num_splits = triton.cdiv(max_tokens, split)
-    group = query_heads // kv_heads
-    stats_shape = (batch, query_heads, num_splits)
-    partial_max = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
-    partial_sum = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
-    partial_out = torch.empty((*stats_shape, dim), dtype=torch.float32, device=q.device)
-    block_n = 32 if dim >= 256 else 64
-    _decode_partial_kernel[(batch, kv_heads, num_splits)](
-        q, key_cache, value_cache, page_tables, page_tables.stride(0), total_lens,
-        partial_out, partial_max, partial_sum, scale, page_size, num_splits,
-        QUERY_HEADS=query_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-        D=dim, BLOCK_N=block_n, SPLIT=split, IEEE=q.dtype == torch.float32, num_warps=4,
-    )
-    out = torch.empty((batch, query_heads * dim), dtype=q.dtype, device=q.device)
-    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
-        raise ValueError(f"gate must be [B, Hq, D] = {tuple(q.shape)} with a unit last stride")
-    _decode_reduce_kernel[(batch, query_heads)](
-        partial_out, partial_max, partial_sum, total_lens,
-        gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
-        gate.stride(1) if gate is not None else 0, out, num_splits,
-        QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, num_warps=4,
-    )
-    return out
-
-
-@triton.jit
-def _verify_partial_kernel(
-    q_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    page_tables_ptr,
-    page_tables_stride,
-    context_lens_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -305,11 +136,13 @@ def _verify_partial_kernel(
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """One split of one row's KV for all ``TOKENS x GROUP`` queries of a KV head (decode: ``TOKENS`` 1), causal
+    among the row's new tokens; writes the split's running max, sum and unnormalised output per query."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context = tl.load(context_lens_ptr + row)
-    total = context + TOKENS
+    total = tl.load(total_lens_ptr + row)
+    context = total - TOKENS
     start = split * SPLIT
     if start < total:
         m = tl.arange(0, M_PAD)  # query m of this KV head: the row's token m // GROUP, query head m % GROUP
@@ -354,6 +187,80 @@ def _verify_partial_kernel(
         tl.store(partial_out_ptr + stat[:, None] * D + d[None, :], acc, mask=valid_query[:, None])
 
 
+@triton.jit
+def _reduce_kernel(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    token_lens_ptr,
+    gate_ptr,
+    gate_row_stride,
+    gate_head_stride,
+    out_ptr,
+    num_splits,
+    QUERY_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    """Merge one query's split results (running max, sum, output) into its attention output, times sigmoid(gate)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(token_lens_ptr + token), SPLIT)  # the splits that hold this token's keys
+    base = (token * QUERY_HEADS + head) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for first in range(0, used, BLOCK_S):
+        m = tl.load(partial_max_ptr + base + first + s, mask=first + s < used, other=float("-inf"))
+        best = tl.maximum(best, m)
+    global_max = tl.max(best, axis=0)
+    total_sum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for first in range(0, used, BLOCK_S):
+        index = first + s
+        valid = index < used
+        weight = tl.exp(tl.load(partial_max_ptr + base + index, mask=valid, other=float("-inf")) - global_max)
+        total_sum += weight * tl.load(partial_sum_ptr + base + index, mask=valid, other=0.0)
+        part = tl.load(partial_out_ptr + (base + index)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.sum(part * weight[:, None], axis=0)
+    out = acc / tl.sum(total_sum, axis=0)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + token * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
+        out = out * tl.sigmoid(gate)
+    tl.store(out_ptr + (token * QUERY_HEADS + head) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_split_tokens(max_tokens: int, *, max_splits: int = 256, minimum: int = 64) -> int:
+    """Tokens per split-K chunk so that at most ``max_splits`` chunks cover ``max_tokens`` (a power of two)."""
+    split = minimum
+    while split * max_splits < max_tokens:
+        split *= 2
+    return split
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    total_lens: torch.Tensor,
+    *,
+    scale: float,
+    gate: torch.Tensor | None = None,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
+    """One query token per row attends to its first ``total_lens[row]`` cached tokens (the new one included).
+
+    ``q [B, Hq, D]``; caches ``[pages, page_size, Hkv, D]``; ``page_tables [B, P]`` and ``total_lens [B]`` are
+    int32 or int64 on the device. ``gate [B, Hq, D]`` (any strides, unit last stride) multiplies the output by
+    sigmoid(gate). The grid covers ``P * page_size`` tokens, so the launch never depends on host-side lengths.
+    Returns ``[B, Hq*D]``.
+    """
+    return _attend(q, key_cache, value_cache, page_tables, total_lens, total_lens, 1, scale, gate, split_tokens)
+
+
 def paged_attention_verify(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -370,15 +277,36 @@ def paged_attention_verify(
 
     Row r's new tokens are ``q[r*n : (r+1)*n]`` (``q [R*n, Hq, D]``, contiguous); their KV is already in the pages
     after the row's ``context_lens[r]`` cached tokens, and new token i attends to the cached tokens and new tokens
-    ``<= i``. Each program reads one split of one row's KV once for all its ``n x Hq/Hkv`` queries; the split
-    results are merged by the decode reduce kernel. Caches, page tables, ``gate`` and the fixed grid are as in
-    :func:`paged_attention_decode`. Returns ``[R*n, Hq*D]``.
+    ``<= i``. Each program reads one split of one row's KV once for all its ``n x Hq/Hkv`` queries. Caches, page
+    tables, ``gate`` and the fixed grid are as in :func:`paged_attention_decode`. Returns ``[R*n, Hq*D]``.
     """
+    rows = context_lens.shape[0]
+    if tokens_per_row < 1 or rows * tokens_per_row != q.shape[0]:
+        raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {q.shape[0]} query tokens")
+    # token i of row r sees context_lens[r] + i + 1 keys; the row's last token sees them all
+    token_lens = (context_lens[:, None] + torch.arange(1, tokens_per_row + 1, device=q.device)).reshape(-1)
+    total_lens = context_lens + tokens_per_row
+    return _attend(q, key_cache, value_cache, page_tables, total_lens, token_lens, tokens_per_row, scale, gate,
+                   split_tokens)
+
+
+def _attend(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    total_lens: torch.Tensor,
+    token_lens: torch.Tensor,
+    tokens_per_row: int,
+    scale: float,
+    gate: torch.Tensor | None,
+    split_tokens: int | None,
+) -> torch.Tensor:
+    """The split-K launches: per (row, KV head, split) the partial kernel, then per (token, query head) the reduce
+    over the ``token_lens[token]`` keys' splits (with the output gate)."""
     tokens, query_heads, dim = q.shape
     _, page_size, kv_heads, cache_dim = key_cache.shape
-    rows = context_lens.shape[0]
-    if tokens_per_row < 1 or rows * tokens_per_row != tokens:
-        raise ValueError(f"{rows} rows x {tokens_per_row} tokens != {tokens} query tokens")
+    rows = total_lens.shape[0]
     if cache_dim != dim or query_heads % kv_heads:
         raise ValueError(f"q [T, {query_heads}, {dim}] does not fit caches with {kv_heads} KV heads of dim {cache_dim}")
     if not q.is_contiguous() or page_tables.stride(1) != 1 or page_tables.shape[0] != rows:
@@ -394,18 +322,18 @@ def paged_attention_verify(
     partial_max = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
     partial_out = torch.empty((*stats_shape, dim), dtype=torch.float32, device=q.device)
-    _verify_partial_kernel[(rows, kv_heads, num_splits)](
-        q, key_cache, value_cache, page_tables, page_tables.stride(0), context_lens,
+    if tokens_per_row == 1:  # decode: the keys per step measured fastest in round 1
+        block_n, warps = (32 if dim >= 256 else 64), 4
+    else:  # 16 keys per step at 8 warps keeps the [M_PAD, 256] accumulator in registers (sm_90: no spill at 32)
+        block_n, warps = (16, 8) if m_pad * dim >= 8192 else (64, 4)
+    _partial_kernel[(rows, kv_heads, num_splits)](
+        q, key_cache, value_cache, page_tables, page_tables.stride(0), total_lens,
         partial_out, partial_max, partial_sum, scale, page_size, num_splits,
         TOKENS=tokens_per_row, QUERY_HEADS=query_heads, KV_HEADS=kv_heads, GROUP=group, M_PAD=m_pad, D=dim,
-        # 16 keys per step at 8 warps keeps the [M_PAD, 256] accumulator in registers (sm_90: no spill at M_PAD 32)
-        BLOCK_N=16 if m_pad * dim >= 8192 else 64, SPLIT=split, IEEE=q.dtype == torch.float32,
-        num_warps=8 if m_pad * dim >= 8192 else 4,
+        BLOCK_N=block_n, SPLIT=split, IEEE=q.dtype == torch.float32, num_warps=warps,
     )
-    # token i of row r sees context_lens[r] + i + 1 keys: that many splits hold its partial results
-    token_lens = (context_lens[:, None] + torch.arange(1, tokens_per_row + 1, device=q.device)).reshape(tokens)
     out = torch.empty((tokens, query_heads * dim), dtype=q.dtype, device=q.device)
-    _decode_reduce_kernel[(tokens, query_heads)](
+    _reduce_kernel[(tokens, query_heads)](
         partial_out, partial_max, partial_sum, token_lens,
         gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
         gate.stride(1) if gate is not None else 0, out, num_splits,
