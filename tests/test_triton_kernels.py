@@ -83,8 +83,9 @@ def test_conv_update_matches_reference_and_leaves_other_slots():
     assert torch.equal(cache[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("tokens_per_row,fuse_norm", [(1, True), (3, True), (3, False)])
-def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm):
+@pytest.mark.parametrize("value_split", [1, 2, 4])  # programs per value head (> 1: the norm is a second launch)
+@pytest.mark.parametrize("tokens_per_row,fuse_norm", [(1, True), (3, True), (3, False), (1, False)])
+def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm, value_split):
     key_heads, value_heads, dk, dv = (4, 12, 128, 128) if BIG else (2, 4, 16, 16)
     rows, slots_total = 3, 5
     tokens = rows * tokens_per_row
@@ -103,6 +104,7 @@ def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm):
     out, states = fused_recurrent_gated_delta(
         qkv, a, b, decay_rate, dt_bias, cache, slots, key_heads=key_heads, tokens_per_row=tokens_per_row,
         z=z if fuse_norm else None, norm_weight=norm_weight if fuse_norm else None, output_states=True,
+        value_split=value_split,
     )
     shaped = qkv.reshape(rows, tokens_per_row, qkv_width)
     q, k, v = torch.split(shaped, [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
@@ -115,6 +117,7 @@ def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm):
     ref_out = ref_out.reshape(tokens, value_heads, dv)
     if fuse_norm:
         ref_out = gated_rms_norm(ref_out.float(), z.reshape(tokens, value_heads, dv).float(), norm_weight, 1e-6)
+    assert out.shape == (tokens, value_heads, dv)
     assert rel_err(out, ref_out) < TOL
     assert rel_err(cache[slots], ref_final) < STATE_TOL
     assert rel_err(states, ref_states.reshape(tokens, value_heads, dk, dv)) < STATE_TOL
