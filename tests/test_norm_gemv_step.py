@@ -90,7 +90,8 @@ def test_folded_norms_match_separate_norm_launches(preset, rows, grouped_moe_row
     assert calls["add_norm_gemv"] == layers * eager_steps * (1 if grouped else 2)
 
 
-def test_norm_gemv_rows_must_not_be_negative():
+@pytest.mark.parametrize("option", ["norm_gemv_rows", "down_gemv_rows", "out_gemv_rows"])
+def test_row_thresholds_must_not_be_negative(option):
     _, model, fused = _runtimes("tiny")
-    with pytest.raises(ValueError, match="norm_gemv_rows"):
-        DecodeGraphRunner(model, fused, use_graphs=False, norm_gemv_rows=-1)
+    with pytest.raises(ValueError, match=option):
+        DecodeGraphRunner(model, fused, use_graphs=False, **{option: -1})

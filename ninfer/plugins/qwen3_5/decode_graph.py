@@ -184,8 +184,10 @@ class DecodeGraphRunner:
         # norms folded into the GEMVs that read them (``norm_gemv``) for batches of at most this many rows (0: never;
         # capped at NORM_GEMV_MAX_ROWS); ``norm_gemv_ffn``: the post-attention norm too. ``accelerate`` chooses it
         # per model from the H200 measurements (docs/performance.md, round 5).
-        if norm_gemv_rows < 0:
-            raise ValueError(f"norm_gemv_rows must be >= 0, got {norm_gemv_rows}")
+        for name, rows in (("norm_gemv_rows", norm_gemv_rows), ("down_gemv_rows", down_gemv_rows),
+                           ("out_gemv_rows", out_gemv_rows)):
+            if rows < 0:
+                raise ValueError(f"{name} must be >= 0, got {rows}")
         self.norm_gemv_rows = norm_gemv_rows
         self.norm_gemv_ffn = norm_gemv_ffn
         # batches of at most this many rows run the dense MLP's SiLU·mul + down projection as one ``act_gemv``
