@@ -79,6 +79,11 @@ def decode_bytes(config: Qwen35TextConfig, weight_bytes: int, expert_bytes: int,
     return weight_bytes + rows * (context * kv_per_token + state_per_row)
 
 
+def step_bytes(runtime: Qwen35Runtime, rows: int, context: int) -> float:
+    """``decode_bytes`` of ``runtime``'s model: what one decode step of ``rows`` rows at ``context`` tokens reads."""
+    return decode_bytes(runtime.config, *_weight_bytes(runtime), rows, context)
+
+
 def _weight_bytes(runtime: Qwen35Runtime) -> tuple[int, int]:
     """(bytes of every trunk weight except the embedding table, incl. lm_head; bytes of the routed experts)."""
     model = runtime.model

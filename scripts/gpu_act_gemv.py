@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from gpu_moe_tune import graph_us
 
-from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
+from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
 from ninfer.kernels.triton import act_gemv as act_gemv_module
 from ninfer.kernels.triton.act_gemv import act_gemv
 from ninfer.kernels.triton.norms import silu_mul
@@ -84,8 +84,7 @@ def step(name: str, device: torch.device, clock: Clock, tuned: tuple[int, ...] |
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(name, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
-    roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, 1, 256 + 4) / bandwidth * 1e3
+    roofline_ms = step_bytes(runtime, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     decoder = runtime.decoder
     result: dict = {"roofline_ms": roofline_ms, "copy_bandwidth_gb_s": bandwidth / 1e9}

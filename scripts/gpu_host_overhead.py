@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ninfer.bench_synthetic import Clock, Rows, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, decode_bytes
-from ninfer.bench_synthetic import _weight_bytes, profile_prefill
+from ninfer.bench_synthetic import Clock, Rows, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth
+from ninfer.bench_synthetic import profile_prefill, step_bytes
 from ninfer.core.runtime import ForwardBatch
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
@@ -107,11 +107,10 @@ def run_preset(
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(name, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (8, CONTEXT), generator=generator)
-    roofline_1 = 1 / (decode_bytes(config, weight_bytes, expert_bytes, 1, CONTEXT + 4) / bandwidth)
-    roofline_8 = 8 / (decode_bytes(config, weight_bytes, expert_bytes, 8, CONTEXT + 4) / bandwidth)
+    roofline_1 = 1 / (step_bytes(runtime, 1, CONTEXT + 4) / bandwidth)
+    roofline_8 = 8 / (step_bytes(runtime, 8, CONTEXT + 4) / bandwidth)
     result: dict = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_tok_s_1": roofline_1,
                     "roofline_tok_s_8": roofline_8, "decode_1": {}}
     decoder = runtime.decoder

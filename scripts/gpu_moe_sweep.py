@@ -24,7 +24,7 @@ import torch
 from gpu_moe_tune import CALLS, HIDDEN, TOP_K, WEIGHT_SETS, MoELayer, graph_us, moe_bytes
 from gpu_step_trace import trace_runtime
 
-from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
+from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
 from ninfer.kernels.triton import moe_grouped
 from ninfer.kernels.triton.moe_grouped import MoETiles, grouped_moe_decode_add_norm, moe_workspace
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
@@ -91,8 +91,7 @@ def step_variants(device: torch.device, clock: Clock, best: MoETiles, out: Path)
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(PRESET, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
-    roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, 1, 256 + 4) / bandwidth * 1e3
+    roofline_ms = step_bytes(runtime, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     result: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_ms": roofline_ms}
     for label, tiles in (("default", None), ("best", best), ("default again", None)):

@@ -31,7 +31,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
+from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
 from ninfer.kernels.moe import route_tokens
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
@@ -272,7 +272,6 @@ def whole_step(device: torch.device, clock: Clock, tuned: dict) -> dict:
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(PRESET, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
     prompts = torch.randint(0, config.vocab_size, (max(ROWS), 256), generator=torch.Generator().manual_seed(0))
     decoder = runtime.decoder
     result: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "tiles": tuned}
@@ -284,7 +283,7 @@ def whole_step(device: torch.device, clock: Clock, tuned: dict) -> dict:
         decoder._pool = None
 
     for rows in ROWS:
-        roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, rows, 256 + 4) / bandwidth * 1e3
+        roofline_ms = step_bytes(runtime, rows, 256 + 4) / bandwidth * 1e3
         result[f"roofline_ms_{rows}"] = roofline_ms
         for label, settings in STEP_VARIANTS.items():
             configure(settings)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from gpu_moe_tune import graph_us, print_kernel_profile, print_step_variants, profile_step
 
-from ninfer.bench_synthetic import Clock, _weight_bytes, bench_ninfer_decode, copy_bandwidth, decode_bytes
+from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
 from ninfer.kernels.triton import moe_grouped, norm_gemv
 from ninfer.kernels.triton.moe_grouped import moe_workspace, route_experts, route_experts_add_norm
 from ninfer.kernels.triton.norm_gemv import GemvTiles, add_norm_gemv, gated_norm_gemv
@@ -265,7 +265,6 @@ def whole_step(name: str, clock: Clock, choice: dict, profile: bool) -> dict:
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(name, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
     prompts = torch.randint(0, config.vocab_size, (max(ROWS), CONTEXT), generator=torch.Generator().manual_seed(0))
     decoder = runtime.decoder
     result: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "tiles": choice}
@@ -278,7 +277,7 @@ def whole_step(name: str, clock: Clock, choice: dict, profile: bool) -> dict:
         decoder._pool = None
 
     for rows in ROWS:
-        roofline_ms = decode_bytes(config, weight_bytes, expert_bytes, rows, CONTEXT + 4) / bandwidth * 1e3
+        roofline_ms = step_bytes(runtime, rows, CONTEXT + 4) / bandwidth * 1e3
         result[f"roofline_ms_{rows}"] = roofline_ms
         for label in STEP_VARIANTS:
             configure(label)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ninfer.bench_synthetic import (
-    Clock, _weight_bytes, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, decode_bytes, profile_prefill,
+    Clock, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, profile_prefill, step_bytes,
 )
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
@@ -28,11 +28,10 @@ def run(name: str, out: Path) -> dict:
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(name, device=device)
     config = runtime.config
-    weight_bytes, expert_bytes = _weight_bytes(runtime)
     prompts = torch.randint(0, config.vocab_size, (8, CONTEXT), generator=torch.Generator().manual_seed(0))
     result: dict = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9}
     for rows in (1, 8):
-        roofline = rows / (decode_bytes(config, weight_bytes, expert_bytes, rows, CONTEXT + 4) / bandwidth)
+        roofline = rows / (step_bytes(runtime, rows, CONTEXT + 4) / bandwidth)
         elapsed, _, replay = bench_ninfer_decode(runtime, prompts[:rows], STEPS, clock)
         tok_s = rows * STEPS / (elapsed / 1e3)
         result[f"decode_{rows}"] = {"tok_s": tok_s, "roofline_tok_s": roofline, "of_roofline": tok_s / roofline,
