@@ -1,9 +1,9 @@
 """Shared helpers of the speculative-decoding tests: a tiny artifact with companion weights, engines over it,
-batched runs and the pool-idle check."""
+batched runs, the pool-idle check and a plain greedy run beside a speculative one."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ninfer.core.artifact import open_model_source
 from ninfer.core.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
@@ -53,3 +53,21 @@ def assert_idle(engine: Engine) -> None:
     assert memory.promised_pages == 0
     assert memory.free_pages + memory.checkpoint_pages == memory.total_pages
     assert memory.free_slots + memory.checkpoints == memory.total_slots
+
+
+def greedy_plain_then_speculative(
+    tiny: tuple[Any, Any, Any],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    make_drafter: Callable[[dict[tuple[int, ...], list[int]]], Any],
+) -> tuple[list[Any], list[Any], Any]:
+    """Greedy runs of ``prompts`` without speculation, then with ``make_drafter(references)`` (each prompt's whole
+    plain sequence, prompt and output, keyed by the prompt); ``(plain results, speculative results, drafter)``,
+    the speculative engine idle after its run."""
+    with make_engine(tiny) as engine:
+        plain = run(engine, prompts, max_tokens, temperature=0.0)
+    drafter = make_drafter({tuple(p): [*p, *o.output_token_ids] for p, o in zip(prompts, plain)})
+    with make_engine(tiny, drafter) as engine:
+        results = run(engine, prompts, max_tokens, temperature=0.0)
+        assert_idle(engine)
+    return plain, results, drafter

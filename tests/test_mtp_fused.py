@@ -174,13 +174,19 @@ def test_the_draft_runner_rejects_shapes_it_cannot_take(runtimes):
         runner.draft(batch, [torch.zeros(2, fused_runtime.config.hidden_size)] * 2, drafter._kv, K)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
-def test_captured_drafts_replay_what_the_eager_kernels_draft():
-    torch.manual_seed(0)
+def graph_eager_and_generic_runtimes() -> tuple[Qwen35Runtime, Qwen35Runtime, Qwen35Runtime]:
+    """The tiny model on the CUDA decode runner with graphs, on the same runner without them, and on the generic
+    path."""
     graph_runtime, generic_runtime = _runtimes("tiny", graphs=True)
     assert graph_runtime.decoder is not None and graph_runtime.decoder.use_graphs
     eager_decoder = DecodeGraphRunner(graph_runtime.model, graph_runtime.decoder.fused, use_graphs=False)
-    eager_runtime = Qwen35Runtime(graph_runtime.model, graph_runtime.mtp, eager_decoder)
+    return graph_runtime, Qwen35Runtime(graph_runtime.model, graph_runtime.mtp, eager_decoder), generic_runtime
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_captured_drafts_replay_what_the_eager_kernels_draft():
+    torch.manual_seed(0)
+    graph_runtime, eager_runtime, generic_runtime = graph_eager_and_generic_runtimes()
     drafters = [MTPDrafter(graph_runtime, K), MTPDrafter(eager_runtime, K), MTPDrafter(generic_runtime, K)]
     for drafter in drafters:
         drafter.bind(2 * PAGES_PER_ROW, PAGE_SIZE)

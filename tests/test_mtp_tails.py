@@ -41,8 +41,10 @@ from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 from ninfer.plugins.qwen3_5.mtp import Qwen35MTP  # noqa: E402
 from ninfer.plugins.qwen3_5.mtp_drafter import MTPDrafter  # noqa: E402
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime  # noqa: E402
-from speculation_support import assert_idle, make_engine, run  # noqa: E402
-from test_mtp_fused import K, PAGE_SIZE, PAGES_PER_ROW, _rows_with_tails, _runtimes  # noqa: E402
+from speculation_support import greedy_plain_then_speculative  # noqa: E402
+from test_mtp_fused import (  # noqa: E402
+    K, PAGE_SIZE, PAGES_PER_ROW, _rows_with_tails, _runtimes, graph_eager_and_generic_runtimes,
+)
 
 LENGTHS = (9, 23, 40)  # prompt lengths of the three rows
 TAILS = (1, 2, K + 1)  # their tails: the pending token's position plus 0, 1 and K accepted drafts
@@ -162,10 +164,7 @@ def test_mixed_tails_draft_in_one_padded_chain_what_the_generic_path_drafts(runt
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 def test_captured_padded_drafts_replay_what_the_eager_kernels_draft():
     torch.manual_seed(0)
-    graph_runtime, generic_runtime = _runtimes("tiny", graphs=True)
-    assert graph_runtime.decoder is not None and graph_runtime.decoder.use_graphs
-    eager_decoder = DecodeGraphRunner(graph_runtime.model, graph_runtime.decoder.fused, use_graphs=False)
-    eager_runtime = Qwen35Runtime(graph_runtime.model, graph_runtime.mtp, eager_decoder)
+    graph_runtime, eager_runtime, generic_runtime = graph_eager_and_generic_runtimes()
     drafters = [MTPDrafter(graph_runtime, K), MTPDrafter(eager_runtime, K),
                 MTPDrafter(generic_runtime, K)]
     for drafter in drafters:
@@ -271,13 +270,9 @@ def test_greedy_speculation_with_padded_tails_equals_plain_greedy(tmp_path):
         real_draft = runner.draft
         runner.draft = lambda batch, *args: shapes.append(list(batch.query_lens)) or real_draft(batch, *args)
         tiny = (artifact, runtime, artifact_tokenizer(artifact))
-        with make_engine(tiny) as engine:
-            plain = run(engine, RUN_PROMPTS, RUN_MAX_TOKENS, temperature=0.0)
-        references = {tuple(p): [*p, *o.output_token_ids] for p, o in zip(RUN_PROMPTS, plain)}
-        drafter = LockstepDrafter(fused_drafter, generic, references)
-        with make_engine(tiny, drafter) as engine:
-            results = run(engine, RUN_PROMPTS, RUN_MAX_TOKENS, temperature=0.0)
-            assert_idle(engine)
+        plain, results, drafter = greedy_plain_then_speculative(
+            tiny, RUN_PROMPTS, RUN_MAX_TOKENS, lambda references: LockstepDrafter(fused_drafter, generic, references)
+        )
     finally:
         artifact.close()
     for result, base in zip(results, plain):

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_support import rel_err
 
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
 from ninfer.kernels.triton import triton_available
@@ -39,9 +40,9 @@ from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
 from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime  # noqa: E402
 from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner, pad_batch  # noqa: E402
-from speculation_support import assert_idle, drafter_for, make_engine, run  # noqa: E402
+from speculation_support import drafter_for, greedy_plain_then_speculative  # noqa: E402
 from test_decode_graph import _runtimes  # noqa: E402
-from test_verify_graph import TOL, rel_err  # noqa: E402
+from test_verify_graph import TOL  # noqa: E402
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 PAGE_SIZE = 16
@@ -310,14 +311,12 @@ def test_greedy_speculation_through_the_runner_equals_plain_greedy(tmp_path, reg
         real_forward = verifier.forward
         verifier.forward = lambda *args: taken.append(list(args[0].query_lens)) or real_forward(*args)
         tiny = (artifact, runtime, artifact_tokenizer(artifact))
-        with make_engine(tiny) as engine:
-            plain = run(engine, RUN_PROMPTS, RUN_MAX_TOKENS, temperature=0.0)
-        assert not taken  # plain decoding never verifies
-        references = {tuple(p): [*p, *o.output_token_ids] for p, o in zip(RUN_PROMPTS, plain)}
-        drafter = SteeredDrafter(drafter_for(tiny, registries, backend, k), references)
-        with make_engine(tiny, drafter) as engine:
-            results = run(engine, RUN_PROMPTS, RUN_MAX_TOKENS, temperature=0.0)
-            assert_idle(engine)
+
+        def steered(references: dict[tuple[int, ...], list[int]]) -> SteeredDrafter:
+            assert not taken  # plain decoding never verifies
+            return SteeredDrafter(drafter_for(tiny, registries, backend, k), references)
+
+        plain, results, _ = greedy_plain_then_speculative(tiny, RUN_PROMPTS, RUN_MAX_TOKENS, steered)
     finally:
         artifact.close()
     for result, base in zip(results, plain):
