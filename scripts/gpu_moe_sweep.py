@@ -1,13 +1,14 @@
-"""Tile sweep of the batch-1 grouped MoE block as the decode step runs it, then the 35B-A3B step with the winner.
+"""The batch-1 MoE block: the grouped kernels (three launches) against the persistent kernel (one launch, grid
+barriers) and a sweep of the persistent kernel's tiles, then the 35B-A3B step with each.
 
-Usage (CUDA machine, repo root): ``python scripts/gpu_moe_sweep.py OUT_DIR`` (about 4 minutes).
+Usage (CUDA machine, repo root): ``python scripts/gpu_moe_sweep.py OUT_DIR`` (about 3 minutes).
 
-1. The block as the decode step calls it (``grouped_moe_decode_add_norm``: router with the residual add and norm,
-   grouped gate/up, grouped down; programmatic dependent launch on), ``CALLS`` blocks over rotating weight sets in one
-   CUDA graph, so each block's kernels overlap the previous block's as they overlap the mixer's in a step. Tiles are
-   swept one kernel at a time (gate/up, then down, then router), each keeping the best so far.
-2. The whole ``qwen3.6-35b-a3b`` batch-1 step (random bf16 weights; benchmark step and graphs back to back) with
-   the default tiles and with the winner, and a host/device trace of the winner (``gpu_step_trace``).
+1. The block as the decode step calls it (residual add and norm inside, programmatic dependent launch on), ``CALLS``
+   blocks over rotating weight sets in one CUDA graph, so each block's kernels overlap the previous block's as they
+   overlap the mixer's in a step. Every persistent variant's output is checked against the grouped kernels' first.
+2. The whole ``qwen3.6-35b-a3b`` batch-1 step (random bf16 weights; benchmark step and graphs back to back) with the
+   grouped block, the persistent block's default tiles and the fastest variant, and a host/device trace of the
+   fastest (``gpu_step_trace``).
 
 Prints the tables last; writes ``moe_sweep.json`` to OUT_DIR.
 """
@@ -25,31 +26,20 @@ from gpu_moe_tune import CALLS, HIDDEN, TOP_K, WEIGHT_SETS, MoELayer, graph_us, 
 from gpu_step_trace import trace_runtime
 
 from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
-from ninfer.kernels.triton import moe_grouped
-from ninfer.kernels.triton.moe_grouped import MoETiles, grouped_moe_decode_add_norm, moe_workspace
+from ninfer.kernels.triton import moe_persistent
+from ninfer.kernels.triton.moe_grouped import grouped_moe_decode_add_norm, moe_workspace
+from ninfer.kernels.triton.moe_persistent import PersistentTiles, persistent_moe_decode
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 PRESET = "qwen3.6-35b-a3b"
-DEFAULT_TILES = moe_grouped.default_tiles
-
-SWEEP: dict[str, list[dict]] = {  # per kernel: tile changes tried on top of the best so far (the first: as is)
-    "gate_up": [
-        {}, *(dict(gate_up_rows=r, gate_up_block_k=k, gate_up_warps=w, gate_up_stages=s)
-              for r, k, w, s in [(8, 2048, 8, 3), (2, 2048, 2, 3), (4, 2048, 8, 3), (8, 1024, 4, 3),
-                                 (4, 1024, 4, 3), (16, 512, 4, 4)]),
-    ],
-    "down": [
-        {}, *(dict(down_rows=r, down_warps=w, down_stages=s) for r, w, s in [(32, 4, 3), (8, 4, 3), (8, 2, 3)]),
-    ],
-    "router": [
-        {}, *(dict(router_rows=r, router_split=s, router_block_k=k, router_warps=w)
-              for r, s, k, w in [(16, 4, 512, 1), (8, 4, 512, 2), (4, 8, 256, 1), (8, 16, 128, 1), (16, 8, 256, 2),
-                                 (32, 2, 1024, 4)]),
-    ],
-}
+DEFAULT_TILES = moe_persistent.default_tiles
+VARIANTS = [  # changes of the persistent kernel's tiles, each on top of the default
+    {}, dict(warps=4), dict(warps=16), dict(stages=1), dict(stages=3), dict(gate_up_rows=8), dict(gate_up_rows=2),
+    dict(down_rows=8), dict(gate_up_rows=8, warps=16), dict(block_k=1024), dict(block_k=1024, stages=3),
+]
 
 
-def block_sweep(device: torch.device, clock: Clock) -> tuple[dict, MoETiles]:
+def block_sweep(device: torch.device, clock: Clock) -> tuple[dict, PersistentTiles]:
     layers = [MoELayer.random(device) for _ in range(WEIGHT_SETS)]
     workspace = moe_workspace(HIDDEN, device)
     norm_weight = torch.randn(HIDDEN, device=device, dtype=torch.bfloat16) * 0.1
@@ -57,58 +47,66 @@ def block_sweep(device: torch.device, clock: Clock) -> tuple[dict, MoETiles]:
                torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)) for i in range(CALLS)]
     moved = sum(moe_bytes(layer, x + p) for layer, x, p in inputs) / CALLS
 
-    def measure(tiles: MoETiles) -> float:
-        calls = [
-            lambda layer=layer, x=x, p=p: grouped_moe_decode_add_norm(
-                x, p, norm_weight, 1e-6, gate_up=layer.gate_up, down=layer.down, top_k=TOP_K,
-                shared_down=layer.shared_down, workspace=workspace, tiles=tiles, **layer.views())
-            for layer, x, p in inputs
-        ]
-        return graph_us(calls, clock)
+    def grouped(layer, x, p):
+        return grouped_moe_decode_add_norm(x, p, norm_weight, 1e-6, gate_up=layer.gate_up, down=layer.down,
+                                           top_k=TOP_K, shared_down=layer.shared_down, workspace=workspace,
+                                           **layer.views())[0]
 
-    best = DEFAULT_TILES(1, device)
-    best_us = measure(best)
-    table: dict = {"bytes_per_block": moved, "default_us": best_us}
-    print(f"MoE block, default tiles: {best_us:.2f} us ({moved / best_us / 1e3:.0f} GB/s)", flush=True)
-    for kind, changes in SWEEP.items():
-        for change in changes[1:]:
-            tiles = attrs.evolve(best, **change)
-            try:
-                us = measure(tiles)
-            except Exception:
-                traceback.print_exc()
-                continue
-            table[f"{kind} {json.dumps(change)}"] = us
-            print(f"  {kind} {change}: {us:.2f} us ({moved / us / 1e3:.0f} GB/s)", flush=True)
-            if us < best_us:
-                best, best_us = tiles, us
+    def persistent(layer, x, p, tiles):
+        return persistent_moe_decode(x, p, norm_weight, 1e-6, gate_up=layer.gate_up, down=layer.down, top_k=TOP_K,
+                                     shared_down=layer.shared_down, workspace=workspace, tiles=tiles,
+                                     **layer.views())[0]
+
+    reference = grouped(*inputs[0])
+    grouped_us = graph_us([lambda a=a: grouped(*a) for a in inputs], clock)
+    table: dict = {"bytes_per_block": moved, "grouped_us": grouped_us, "variants": {}}
+    print(f"MoE block, grouped: {grouped_us:.2f} us ({moved / grouped_us / 1e3:.0f} GB/s)", flush=True)
+    best, best_us = None, float("inf")
+    for change in VARIANTS:
+        tiles = attrs.evolve(DEFAULT_TILES(device), **change)
+        try:
+            out = persistent(*inputs[0], tiles)
+            error = float((out.float() - reference.float()).norm() / reference.float().norm())
+            us = graph_us([lambda a=a: persistent(*a, tiles) for a in inputs], clock)
+        except Exception:
+            traceback.print_exc()
+            continue
+        table["variants"][json.dumps(change)] = {"us": us, "rel_err_vs_grouped": error}
+        print(f"  persistent {change}: {us:.2f} us ({moved / us / 1e3:.0f} GB/s), rel err {error:.1e}", flush=True)
+        if us < best_us and error < 1e-2:
+            best, best_us = tiles, us
     table["best_us"] = best_us
-    table["best"] = attrs.asdict(best)
+    table["best"] = attrs.asdict(best) if best is not None else None
+    assert not workspace.any()
     return table, best
 
 
-def step_variants(device: torch.device, clock: Clock, best: MoETiles, out: Path) -> dict:
+def step_variants(device: torch.device, clock: Clock, best: PersistentTiles | None, out: Path) -> dict:
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(PRESET, device=device)
     config = runtime.config
     roofline_ms = step_bytes(runtime, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     result: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_ms": roofline_ms}
-    for label, tiles in (("default", None), ("best", best), ("default again", None)):
-        moe_grouped.default_tiles = DEFAULT_TILES if tiles is None else (lambda rows, dev="cpu", t=tiles: (
-            t if rows == 1 else DEFAULT_TILES(rows, dev)))
-        runtime.decoder._graphs.clear()
-        runtime.decoder._pool = None
+    decoder = runtime.decoder
+    variants = [("grouped", False, None), ("persistent default", True, None), ("persistent best", True, best),
+                ("grouped again", False, None)]
+    for label, persistent, tiles in variants:
+        moe_persistent.default_tiles = DEFAULT_TILES if tiles is None else (lambda dev="cpu", t=tiles: t)
+        decoder.persistent_moe = persistent
+        decoder._graphs.clear()
+        decoder._pool = None
         elapsed, _, replay_ms = bench_ninfer_decode(runtime, prompt, 32, clock)
         entry = {"step_ms": elapsed / 32, "replay_ms": replay_ms, "step_of_roofline": roofline_ms / (elapsed / 32),
                  "replay_of_roofline": roofline_ms / replay_ms}
         result[label] = entry
         print(f"step {label}: " + json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
-    moe_grouped.default_tiles = lambda rows, dev="cpu": best if rows == 1 else DEFAULT_TILES(rows, dev)
-    runtime.decoder._graphs.clear()
-    runtime.decoder._pool = None
+    moe_persistent.default_tiles = DEFAULT_TILES if best is None else (lambda dev="cpu": best)
+    decoder.persistent_moe = True
+    decoder._graphs.clear()
+    decoder._pool = None
     trace_runtime(runtime, PRESET, out)
-    moe_grouped.default_tiles = DEFAULT_TILES
+    moe_persistent.default_tiles = DEFAULT_TILES
     return result
 
 
@@ -123,11 +121,13 @@ def main(out_dir: str) -> int:
     result["step"] = step_variants(device, clock, best, out)
     (out / "moe_sweep.json").write_text(json.dumps(result, indent=2))
     print("\n==== summary ====")
-    print(f"MoE block: default {block['default_us']:.2f} us -> best {block['best_us']:.2f} us; best tiles "
+    print(f"MoE block: grouped {block['grouped_us']:.2f} us, persistent best {block['best_us']:.2f} us "
           f"{json.dumps(block['best'])}")
+    for change, entry in block["variants"].items():
+        print(f"  {change}: {entry['us']:.2f} us")
     step = result["step"]
     print(f"35B-A3B roofline {step['roofline_ms']:.3f} ms ({step['copy_bandwidth_gb_s']:.0f} GB/s copy)")
-    for label in ("default", "best", "default again"):
+    for label in ("grouped", "persistent default", "persistent best", "grouped again"):
         entry = step[label]
         print(f"| {label} | step {entry['step_ms']:.3f} ms ({entry['step_of_roofline']:.1%}) | graphs back to back "
               f"{entry['replay_ms']:.3f} ms ({entry['replay_of_roofline']:.1%}) |")

@@ -86,8 +86,11 @@ def _runtimes(preset: str, dtype: torch.dtype = DTYPE):
     return reference, model, fused
 
 
-@pytest.mark.parametrize(("preset", "grouped_moe_rows"), [("tiny", 1), ("tiny-moe", 0), ("tiny-moe", 1), ("tiny-moe", 3)])
-def test_fused_decode_matches_reference(preset, grouped_moe_rows):
+@pytest.mark.parametrize(
+    ("preset", "grouped_moe_rows", "persistent_moe"),
+    [("tiny", 1, True), ("tiny-moe", 0, True), ("tiny-moe", 1, False), ("tiny-moe", 3, True)],
+)
+def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe):
     torch.manual_seed(0)
     reference, model, fused = _runtimes(preset)
     vocab = model.config.vocab_size
@@ -97,11 +100,12 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows):
     with torch.no_grad():
         reference.forward(caches.batch(rows, prompts), caches.kv, caches.state)
     ours = caches.clone()
-    eager = DecodeGraphRunner(model, fused, use_graphs=False, grouped_moe_rows=grouped_moe_rows)
-    graphs = DecodeGraphRunner(model, fused, use_graphs=True, grouped_moe_rows=grouped_moe_rows) if CUDA else None
+    options = dict(grouped_moe_rows=grouped_moe_rows, persistent_moe=persistent_moe)
+    eager = DecodeGraphRunner(model, fused, use_graphs=False, **options)
+    graphs = DecodeGraphRunner(model, fused, use_graphs=True, **options) if CUDA else None
     graph_caches = caches.clone() if CUDA else None
-    for step in range(5):
-        active = rows if step < 3 else rows[:2]  # the batch shrinks: a second batch size
+    for step in range(6):
+        active = rows[: 3 if step < 3 else 2 if step < 5 else 1]  # the batch shrinks: 3, 2, then 1 row
         tokens = [[int(t)] for t in torch.randint(0, vocab, (len(active),))]
         expected = reference.forward(caches.batch(active, tokens), caches.kv, caches.state)
         got = eager.forward(ours.batch(active, tokens), ours.kv, ours.state)
@@ -117,7 +121,7 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows):
     for got_key, expected_key in zip(ours.kv.key, caches.kv.key):
         assert rel_err(got_key, expected_key) < TOL
     if graphs is not None:
-        assert len(graphs._graphs) == 2  # one per batch size, replayed on the later steps
+        assert len(graphs._graphs) == 3  # one per batch size, replayed on the later steps
         for replay_ssm, eager_ssm in zip(graph_caches.state.ssm, ours.state.ssm):
             assert rel_err(replay_ssm, eager_ssm) < 1e-6
 

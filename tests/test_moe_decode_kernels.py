@@ -14,7 +14,9 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+import moe_support
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from moe_support import experts_with_routing, fused_views
 
 from ninfer.kernels.moe import moe_forward, route_tokens
 from ninfer.kernels.triton import triton_available
@@ -48,18 +50,7 @@ def randn(*shape, scale=1.0):
 
 
 def make_block(hidden: int, inner: int, shared_inner: int, experts: int) -> dict[str, torch.Tensor]:
-    w = {
-        "router": randn(experts, hidden, scale=0.5),
-        "gate_up": randn(experts, 2 * inner, hidden, scale=0.05),
-        "down": randn(experts, hidden, inner, scale=0.05),
-        "shared_gate": randn(shared_inner, hidden, scale=0.05),
-        "shared_up": randn(shared_inner, hidden, scale=0.05),
-        "shared_down": randn(hidden, shared_inner, scale=0.05),
-        "shared_expert_gate": randn(1, hidden, scale=0.5),
-    }
-    # the decode path's fused entry rows: [router | shared gate | shared up | shared expert gate]
-    w["fused"] = torch.cat([w["router"], w["shared_gate"], w["shared_up"], w["shared_expert_gate"]])
-    return w
+    return moe_support.make_block(hidden, inner, shared_inner, experts, DEVICE, DTYPE)
 
 
 def inputs(tokens: int, hidden: int) -> torch.Tensor:
@@ -68,30 +59,6 @@ def inputs(tokens: int, hidden: int) -> torch.Tensor:
     repeated = tokens // 2 if tokens > 4 else 0
     x[tokens - repeated :] = x[:repeated]
     return x
-
-
-def fused_views(w: dict[str, torch.Tensor], experts: int, shared_inner: int) -> dict[str, torch.Tensor]:
-    fused = w["fused"]
-    return {
-        "router": fused[:experts],
-        "shared_gate_up": fused[experts : experts + 2 * shared_inner],
-        "shared_expert_gate": fused[experts + 2 * shared_inner :],
-    }
-
-
-def experts_with_routing(x, weights, chosen, w, shared: bool) -> torch.Tensor:
-    """The block output for a given routing: each selected expert run with plain torch, rounded like the twin."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for row in range(x.shape[0]):
-        for slot, expert in enumerate(chosen[row].tolist()):
-            gate, up = F.linear(x[row : row + 1], w["gate_up"][expert]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, w["down"][expert])
-            out[row] += weights[row, slot] * expert_out[0].float()
-    if shared:
-        gate_logit = F.linear(x, w["shared_expert_gate"]).float()
-        shared_out = F.linear(F.silu(F.linear(x, w["shared_gate"])) * F.linear(x, w["shared_up"]), w["shared_down"])
-        out += torch.sigmoid(gate_logit) * shared_out.float()
-    return out.to(x.dtype)
 
 
 def check_routing(routing, x, w, top_k: int) -> None:

@@ -3,7 +3,8 @@ step with separate norm launches, on the same weights and caches.
 
 Runs on CUDA (bf16; eager and CUDA graphs with programmatic dependent launch); without a GPU it runs the eager step
 in Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (fp32), otherwise it is skipped. Covers Gated DeltaNet and
-attention layers, the grouped MoE block (batch 1), the separate-launch MoE block (2 rows) and the dense MLP.
+attention layers, the persistent and the grouped MoE blocks (batch 1), the separate-launch MoE block (2 rows) and the
+dense MLP; the step with separate norm launches runs the separate-launch MoE block.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from ninfer.plugins.qwen3_5 import decode_graph  # noqa: E402
 from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
 
 TOL = 2e-2 if CUDA else 1e-4
-FUSED_KERNELS = ("add_norm_gemv", "gated_norm_gemv", "grouped_moe_decode_add_norm")
+FUSED_KERNELS = ("add_norm_gemv", "gated_norm_gemv", "grouped_moe_decode_add_norm", "persistent_moe_decode")
+MOE_PATHS = {  # the decode runner's options for each MoE block
+    "persistent": dict(persistent_moe=True),
+    "grouped": dict(persistent_moe=False, grouped_moe_rows=1),
+    "separate": dict(persistent_moe=False, grouped_moe_rows=0),
+}
 
 
 def count_calls(monkeypatch) -> dict[str, int]:
@@ -44,9 +50,10 @@ def count_calls(monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("preset", "rows", "grouped_moe_rows"), [("tiny-moe", 1, 1), ("tiny-moe", 2, 0), ("tiny", 2, 1)]
+    ("preset", "rows", "moe"),
+    [("tiny-moe", 1, "persistent"), ("tiny-moe", 1, "grouped"), ("tiny-moe", 2, "separate"), ("tiny", 2, "separate")],
 )
-def test_folded_norms_match_separate_norm_launches(preset, rows, grouped_moe_rows, monkeypatch):
+def test_folded_norms_match_separate_norm_launches(preset, rows, moe, monkeypatch):
     torch.manual_seed(0)
     reference, model, fused = _runtimes(preset)
     config = model.config
@@ -57,12 +64,9 @@ def test_folded_norms_match_separate_norm_launches(preset, rows, grouped_moe_row
     with torch.no_grad():
         reference.forward(caches.batch(members, prompts), caches.kv, caches.state)
     folded_caches, graph_caches = caches.clone(), caches.clone()
-    separate = DecodeGraphRunner(model, fused, use_graphs=False, grouped_moe_rows=grouped_moe_rows)
-    folded = DecodeGraphRunner(model, fused, use_graphs=False, grouped_moe_rows=grouped_moe_rows, norm_gemv_rows=8)
-    graphs = (
-        DecodeGraphRunner(model, fused, use_graphs=True, grouped_moe_rows=grouped_moe_rows, norm_gemv_rows=8)
-        if CUDA else None
-    )
+    separate = DecodeGraphRunner(model, fused, use_graphs=False, **MOE_PATHS["separate"])
+    folded = DecodeGraphRunner(model, fused, use_graphs=False, norm_gemv_rows=8, **MOE_PATHS[moe])
+    graphs = DecodeGraphRunner(model, fused, use_graphs=True, norm_gemv_rows=8, **MOE_PATHS[moe]) if CUDA else None
     calls = count_calls(monkeypatch)
     steps = 3 if CUDA else 2
     for step in range(steps):
@@ -83,11 +87,11 @@ def test_folded_norms_match_separate_norm_launches(preset, rows, grouped_moe_row
         assert rel_err(ours, theirs) < TOL
     layers = config.num_hidden_layers
     recurrent = sum(1 for kind in config.layer_types if kind != decode_graph.FULL_ATTENTION)
-    grouped = config.is_moe and rows <= grouped_moe_rows
     eager_steps = steps if graphs is None else steps + 2  # graphs: their first (eager) step and the capture
     assert calls["gated_norm_gemv"] == recurrent * eager_steps
-    assert calls["grouped_moe_decode_add_norm"] == (layers * eager_steps if grouped else 0)
-    assert calls["add_norm_gemv"] == layers * eager_steps * (1 if grouped else 2)
+    assert calls["grouped_moe_decode_add_norm"] == (layers * eager_steps if moe == "grouped" else 0)
+    assert calls["persistent_moe_decode"] == (layers * eager_steps if moe == "persistent" else 0)
+    assert calls["add_norm_gemv"] == layers * eager_steps * (2 if moe == "separate" else 1)
 
 
 @pytest.mark.parametrize("option", ["norm_gemv_rows", "down_gemv_rows", "out_gemv_rows"])

@@ -17,9 +17,9 @@ reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependen
 sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
 the weights stream while the previous kernel drains.
 
-The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``inverse_rms``,
-``dot_normed_rows_from``) are shared with the grouped MoE kernels (``moe_grouped``), whose router normalises its input
-the same way.
+The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``inverse_rms``,
+``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``, ``moe_persistent``), whose routers
+normalise their input the same way.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def accumulate(acc, x, w, TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING: tl.constexpr):
+def summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING: tl.constexpr):
     """``hidden + pending`` over ``cols`` of the rows (pointers at row starts), rounded to the activation dtype."""
     x = tl.load(hidden_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_PENDING:
@@ -130,7 +130,7 @@ def inverse_rms(
     for first in range(0, width, BLOCK_K):
         cols = first + tl.arange(0, BLOCK_K)
         mask = token_valid[:, None] & (cols < width)[None, :]
-        values = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING).to(tl.float32)
+        values = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING).to(tl.float32)
         squares += values * values
     return tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
 
@@ -141,7 +141,7 @@ def _normed_product(
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr,
 ):
     """``acc += normed[:, cols] @ w^T`` for a weight tile ``w [ROWS, len(cols)]`` and the rows' ``summed`` tile
-    (``_summed_tile``); with ``write_out`` the tile's new residual stream (and normed rows) are stored too."""
+    (``summed_tile``); with ``write_out`` the tile's new residual stream (and normed rows) are stored too."""
     scale = tl.load(norm_weight_ptr + cols, mask=col_valid, other=0.0).to(tl.float32) + 1.0
     normed = (summed.to(tl.float32) * rstd[:, None] * scale[None, :]).to(summed.dtype)
     if HAS_PENDING:
@@ -164,7 +164,7 @@ def dot_normed_rows(
         col_valid = cols < stop
         w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
         mask = token_valid[:, None] & col_valid[None, :]
-        summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+        summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
         acc = _normed_product(
             acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
             HAS_PENDING, KEEP_NORMED, TOKENS,
@@ -192,7 +192,7 @@ def dot_normed_rows_from(
     cols = start + tl.arange(0, BLOCK_K)
     col_valid = cols < stop
     mask = token_valid[:, None] & col_valid[None, :]
-    summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+    summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
     acc = _normed_product(
         tl.zeros((TOKENS, ROWS), tl.float32), first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd,
         hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
@@ -222,7 +222,7 @@ def _add_norm_gemv_kernel(
     hidden_rows = hidden_ptr + t * hidden_stride
     pending_rows = pending_ptr + t * pending_stride
     mask = token_valid[:, None] & col_valid[None, :]
-    summed = _summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
+    summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
     if WHOLE_ROW:  # the first step holds the whole rows: their norm needs no second read
         values = summed.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(values * values, axis=1) / width + eps)

@@ -34,6 +34,7 @@ from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
+from ninfer.kernels.triton.moe_persistent import persistent_moe_decode
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
@@ -158,6 +159,7 @@ class DecodeGraphRunner:
         norm_gemv_ffn: bool = True,
         down_gemv_rows: int = 1,
         out_gemv_rows: int = 1,
+        persistent_moe: bool = True,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -177,6 +179,9 @@ class DecodeGraphRunner:
         # workspace that every call leaves zeroed. Default 1: faster at batch 1 on the H200, slower at 8 rows
         # (docs/performance.md, round 4).
         self.grouped_moe_rows = grouped_moe_rows
+        # one-row MoE blocks as one persistent launch (``persistent_moe_decode``: router, gate/up and down phases
+        # behind grid barriers) instead of the grouped kernels' three (docs/performance.md, round 7)
+        self.persistent_moe = persistent_moe
         self._moe_workspace = moe_workspace(self.config.hidden_size, model.device) if self.config.is_moe else None
         # programs per Gated DeltaNet value head in the decode kernel (> 1: the output norm becomes a second launch;
         # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
@@ -409,6 +414,8 @@ class DecodeGraphRunner:
         mlp = layer.mlp
         if isinstance(mlp, DenseMLPWeights):
             return self._down_projection(F.linear(normed, fused.ffn_in), mlp.down_proj)
+        if self._persistent_moe(normed.shape[0]):
+            return persistent_moe_decode(normed, None, None, 0.0, **self._grouped_moe_weights(mlp, fused))[0]
         if self._grouped_moe(normed.shape[0]):
             return grouped_moe_decode(normed, **self._grouped_moe_weights(mlp, fused))
         return self._routed_experts(mlp, normed, F.linear(normed, fused.ffn_in))
@@ -421,6 +428,9 @@ class DecodeGraphRunner:
         if isinstance(mlp, DenseMLPWeights):
             hidden, gate_up, _ = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps)
             return hidden, self._down_projection(gate_up, mlp.down_proj)
+        if self._persistent_moe(hidden.shape[0]):
+            out, hidden, _ = persistent_moe_decode(hidden, pending, norm, eps, **self._grouped_moe_weights(mlp, fused))
+            return hidden, out
         if self._grouped_moe(hidden.shape[0]):
             weights = self._grouped_moe_weights(mlp, fused)
             out, hidden = grouped_moe_decode_add_norm(hidden, pending, norm, eps, **weights)
@@ -428,11 +438,14 @@ class DecodeGraphRunner:
         hidden, entry, normed = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps, keep_normed=True)
         return hidden, self._routed_experts(mlp, normed, entry)  # type: ignore[arg-type]
 
+    def _persistent_moe(self, rows: int) -> bool:
+        return rows == 1 and self.persistent_moe
+
     def _grouped_moe(self, rows: int) -> bool:
         return rows <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS)
 
     def _grouped_moe_weights(self, mlp: MoEWeights, fused: FusedProjections) -> dict[str, Any]:
-        """The grouped MoE kernels' weight arguments: views of the fused entry rows
+        """The grouped (and persistent) MoE kernels' weight arguments: views of the fused entry rows
         ``[router | shared gate | shared up | shared expert gate]`` and the expert tensors."""
         num_experts, shared_inner = moe_widths(mlp)
         rows = fused.ffn_in

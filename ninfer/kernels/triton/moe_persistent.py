@@ -1,0 +1,371 @@
+"""The MoE block of a one-row decode step as one persistent launch: router, experts' gate/up, experts' down.
+
+At one row the block reads ~57 MB (35B-A3B: eight routed experts and the shared one), which the H200 streams in
+~14 µs, but three dependent launches (``moe_grouped``) took ~33 µs: each waits for its predecessor's last program,
+and the router's result passed through one finishing program. Here one grid of at most one program per SM runs
+three phases separated by grid barriers (an arrival counter every program spins on), so no phase waits for a
+launch, and the weights a phase can already name are in flight before its barrier:
+
+0. router: each program multiplies a few router rows (and the shared expert's gate row) with the block's input,
+   normalised by every program itself (``rms_norm(hidden + pending) * (1 + w)``; program 0 writes the new residual
+   stream and the normed row for phase 1). Its router rows and the first tile of its first shared-expert unit are
+   loaded before the wait for the previous kernel (programmatic dependent launch).
+1. gate/up: every program routes the row itself from the logits (softmax in fp32, top-k, renormalised) and runs
+   units of ``gate_up_rows`` inner rows, the shared expert's first (their first tile is already loaded), then the
+   selected experts', writing ``silu(gate) * up``. Before the next barrier it loads the first down tile of its unit.
+2. down: each program sums, for its block of hidden rows, every selected expert's down projection weighted by the
+   routing and the shared expert's gated by ``sigmoid`` of its logit, in a fixed order (deterministic, no atomics
+   on data), and writes the block output.
+
+The barriers need every program resident at once: the grid is at most one program per SM (``programs``), and the
+programs of the next kernel, launched early by programmatic dependent launch, start only after all of this grid's
+have (it fires the launch right after its own wait). Triton's CPU interpreter runs programs one after another, so
+there (``one_launch=False``) the same three phases run as three launches and the kernel boundaries are the barriers.
+The counter ends every call at zero. Twin: ``ninfer.kernels.moe.moe_forward`` (of ``ninfer.kernels.norms.rms_norm``
+of the sum with ``norm_weight``); rounding follows ``moe_grouped``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.triton import interpreting, next_power_of_2
+from ninfer.kernels.triton.norm_gemv import (
+    accumulate,
+    after_predecessor,
+    launch_options,
+    pdl_supported,
+    summed_tile,
+    weight_tile,
+)
+
+INTERPRETER_PROGRAMS = 5  # the grid in Triton's interpreter (programs run one after another there)
+
+
+@attrs.frozen
+class PersistentTiles:
+    """Launch shape of the persistent MoE kernel."""
+
+    gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
+    block_k: int = 2048  # hidden columns per gate/up step
+    down_rows: int = 16  # hidden rows per down unit
+    warps: int = 8
+    stages: int = 2
+    pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
+
+
+def default_tiles(device: torch.device | str = "cpu") -> PersistentTiles:
+    """The tiles for ``device``: programmatic dependent launch on sm_90 and newer."""
+    return PersistentTiles(pdl=pdl_supported(device))
+
+
+def default_programs(device: torch.device | str) -> int:
+    """One program per SM on CUDA (all resident at once), ``INTERPRETER_PROGRAMS`` in the interpreter."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_PROGRAMS
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Wait until ``target`` arrivals are counted; every earlier write of every program is then visible (read what
+    other programs wrote through L2, ``.cg``)."""
+    tl.debug_barrier()  # every thread's writes are issued before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < target:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _pick(values, index, PAD: tl.constexpr):
+    """``values[index]`` of a ``[PAD]`` register vector."""
+    return tl.sum(tl.where(tl.arange(0, PAD) == index, values, 0), axis=0)
+
+
+@triton.jit
+def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``(experts [TOP_K_PAD] int32, weights [TOP_K_PAD] fp32, shared gate logit)`` from the router logits: softmax
+    over all experts in fp32, the top ``TOP_K``, renormalised to sum 1 (what ``moe_grouped`` computes)."""
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    logits = tl.load(logits_ptr + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    probabilities = tl.exp(logits - tl.max(logits, axis=0))
+    probabilities = tl.where(valid, probabilities / tl.sum(probabilities, axis=0), -1.0)
+    slots = tl.arange(0, TOP_K_PAD)
+    weights = tl.zeros((TOP_K_PAD,), tl.float32)
+    experts = tl.zeros((TOP_K_PAD,), tl.int32)
+    for j in tl.static_range(TOP_K):
+        best_weight, best = tl.max(probabilities, axis=0, return_indices=True)
+        weights = tl.where(slots == j, best_weight, weights)
+        experts = tl.where(slots == j, best, experts)
+        probabilities = tl.where(e == best, -1.0, probabilities)
+    weights = weights / tl.sum(weights, axis=0)
+    return experts, weights, tl.load(logits_ptr + num_experts, cache_modifier=".cg")
+
+
+@triton.jit
+def _router_phase(
+    router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, logits_ptr,
+    hidden, eps, write_out, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``), rounded as activations; with
+    ``write_out`` the new residual stream and the normed row are stored for the expert phases."""
+    cols = tl.arange(0, BLOCK_H)
+    t = tl.arange(0, 1)
+    mask = (cols < hidden)[None, :]
+    x = summed_tile(hidden_ptr + t, pending_ptr + t, cols, mask, HAS_PENDING)  # [1, BLOCK_H]
+    if NORM:
+        values = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(values * values, axis=1) / hidden + eps)
+        scale = tl.load(norm_weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + 1.0
+        normed = (values * rstd[:, None] * scale[None, :]).to(x.dtype)
+        if HAS_PENDING:
+            tl.store(hidden_out_ptr + t[:, None] + cols[None, :], x, mask=mask & write_out)
+        tl.store(normed_ptr + t[:, None] + cols[None, :], normed, mask=mask & write_out)
+    else:
+        normed = x
+    logits = accumulate(tl.zeros((1, ROWS), tl.float32), normed, router_tile, 1)
+    tl.store(logits_ptr + rows[None, :], logits.to(x.dtype).to(tl.float32), mask=row_valid[None, :])
+
+
+@triton.jit
+def _gate_up_unit(
+    first_gate, first_up, prefetched, unit, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride,
+    hidden, inner, shared_inner, shared_units, expert_units,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``silu(gate) * up`` of one unit: ``ROWS`` inner rows of the shared expert (units below ``shared_units``) or of
+    a selected one; ``prefetched``: ``first_gate`` / ``first_up`` hold the unit's first tiles, else they are zero."""
+    shared = unit < shared_units
+    slot = tl.where(shared, TOP_K, (unit - shared_units) // expert_units)
+    block = tl.where(shared, unit, (unit - shared_units) % expert_units)
+    expert = _pick(experts, slot, TOP_K_PAD).to(tl.int64)
+    width = tl.where(shared, shared_inner, inner)
+    rows = block * ROWS + tl.arange(0, ROWS)
+    row_valid = rows < width
+    gate_rows = tl.where(shared, shared_gate_up_ptr, gate_up_ptr + expert * 2 * inner * hidden) + rows.to(
+        tl.int64
+    ) * hidden
+    up_rows = gate_rows + width * hidden
+    load_first = row_valid & ~prefetched
+    gate_tile = first_gate + weight_tile(gate_rows, load_first, 0, hidden, BLOCK_K)
+    up_tile = first_up + weight_tile(up_rows, load_first, 0, hidden, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+    gate = tl.sum(gate_tile.to(tl.float32) * x[None, :], axis=1)
+    up = tl.sum(up_tile.to(tl.float32) * x[None, :], axis=1)
+    for first in range(BLOCK_K, hidden, BLOCK_K):
+        gate_tile = weight_tile(gate_rows, row_valid, first, hidden, BLOCK_K)
+        up_tile = weight_tile(up_rows, row_valid, first, hidden, BLOCK_K)
+        x = tl.load(x_ptr + first + cols, mask=first + cols < hidden, other=0.0, cache_modifier=".cg")
+        gate += tl.sum(gate_tile.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        up += tl.sum(up_tile.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    out_type = act_ptr.dtype.element_ty
+    gate = gate.to(out_type).to(tl.float32)
+    up = up.to(out_type).to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(out_type).to(tl.float32) * up
+    tl.store(act_ptr + slot * act_stride + rows, activated.to(out_type), mask=row_valid)
+
+
+@triton.jit
+def _down_tile(slot, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
+               TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The ``[ROWS, BLOCK_I]`` down-projection tile of hidden-row block ``unit`` for routing slot ``slot`` (slot
+    ``TOP_K``: the shared expert); zero past the grid's hidden rows."""
+    shared = slot == TOP_K
+    expert = _pick(experts, slot, TOP_K_PAD).to(tl.int64)
+    width = tl.where(shared, shared_inner, inner)
+    rows = unit * ROWS + tl.arange(0, ROWS)
+    w_rows = tl.where(shared, shared_down_ptr, down_ptr + expert * hidden * inner) + rows.to(tl.int64) * width
+    return weight_tile(w_rows, rows < hidden, 0, width, BLOCK_I)
+
+
+@triton.jit
+def _down_unit(
+    first_tile, unit, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr, out_ptr,
+    hidden, inner, shared_inner,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """The block output's hidden rows of ``unit``: routing-weighted expert outputs, then the gated shared one
+    (each expert's output rounded to the activation dtype, as the twin rounds it); ``first_tile``: slot 0's."""
+    out_type = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_I)
+    act = tl.load(act_ptr + cols, mask=cols < inner, other=0.0, cache_modifier=".cg").to(tl.float32)
+    y = tl.sum(first_tile.to(tl.float32) * act[None, :], axis=1).to(out_type).to(tl.float32)
+    total = _pick(weights, 0, TOP_K_PAD) * y
+    for slot in range(1, TOP_K + 1):
+        w = _down_tile(slot, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
+                       TOP_K, TOP_K_PAD, ROWS, BLOCK_I)
+        width = tl.where(slot == TOP_K, shared_inner, inner)
+        act = tl.load(act_ptr + slot * act_stride + cols, mask=cols < width, other=0.0, cache_modifier=".cg")
+        y = tl.sum(w.to(tl.float32) * act.to(tl.float32)[None, :], axis=1).to(out_type).to(tl.float32)
+        factor = tl.where(slot == TOP_K, tl.sigmoid(shared_gate), _pick(weights, slot, TOP_K_PAD))
+        total += factor * y
+    rows = unit * ROWS + tl.arange(0, ROWS)
+    tl.store(out_ptr + rows, total.to(out_type), mask=rows < hidden)
+
+
+@triton.jit
+def _persistent_moe_kernel(
+    hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, eps,
+    router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
+    logits_ptr, act_ptr, out_ptr, counter_ptr, num_experts, hidden, inner, shared_inner, act_stride,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_ROWS: tl.constexpr,
+    BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
+):
+    # PHASE -1: all three phases with grid barriers between them; 0, 1, 2: that phase alone (the interpreter's form)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    shared_units = tl.cdiv(shared_inner, GATE_UP_ROWS)
+    expert_units = tl.cdiv(inner, GATE_UP_ROWS)
+    down_units = tl.cdiv(hidden, DOWN_ROWS)
+    # before the predecessor wait: the router rows and the first shared-expert tiles (no one writes weights)
+    if PHASE <= 0:
+        rows = pid * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
+        row_valid = rows < num_experts + 1
+        w_rows = tl.where(rows < num_experts, router_ptr + rows.to(tl.int64) * hidden, expert_gate_ptr)
+        router_tile = weight_tile(w_rows, row_valid, 0, hidden, BLOCK_H)
+    if PHASE == -1 or PHASE == 1:
+        first_rows = pid * GATE_UP_ROWS + tl.arange(0, GATE_UP_ROWS)
+        first_valid = (pid < shared_units) & (first_rows < shared_inner)
+        first_gate_rows = shared_gate_up_ptr + first_rows.to(tl.int64) * hidden
+        first_gate = weight_tile(first_gate_rows, first_valid, 0, hidden, BLOCK_K)
+        first_up = weight_tile(first_gate_rows + shared_inner * hidden, first_valid, 0, hidden, BLOCK_K)
+    after_predecessor(PDL)
+    if PHASE <= 0:
+        _router_phase(
+            router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr,
+            logits_ptr, hidden, eps, pid == 0, NORM, HAS_PENDING, ROUTER_ROWS, BLOCK_H,
+        )
+    if PHASE == -1:
+        _grid_barrier(counter_ptr, programs)
+    if PHASE != 0:
+        experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E)
+    if PHASE == -1 or PHASE == 1:
+        x_ptr = normed_ptr if NORM else hidden_ptr
+        gate_up_units = shared_units + TOP_K * expert_units
+        if pid < gate_up_units:
+            _gate_up_unit(
+                first_gate, first_up, pid < shared_units, pid, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr,
+                act_ptr, act_stride, hidden, inner, shared_inner, shared_units, expert_units,
+                TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_K,
+            )
+        zero = tl.zeros((GATE_UP_ROWS, BLOCK_K), first_gate.dtype)
+        for unit in range(pid + programs, gate_up_units, programs):
+            _gate_up_unit(
+                zero, zero, False, unit, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride,
+                hidden, inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_K,
+            )
+    if PHASE == -1 or PHASE == 2:  # the first down tile streams while the last gate/up units finish
+        first_down = _down_tile(0, pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
+                                TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I)
+    if PHASE == -1:
+        _grid_barrier(counter_ptr, 2 * programs)
+    if PHASE == -1 or PHASE == 2:
+        if pid < down_units:
+            _down_unit(
+                first_down, pid, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr,
+                out_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+            )
+        for unit in range(pid + programs, down_units, programs):
+            first_down = _down_tile(0, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
+                                    TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I)
+            _down_unit(
+                first_down, unit, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr,
+                out_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+            )
+    if PHASE == -1:  # the last program out resets the counter for the next call
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
+            tl.atomic_xchg(counter_ptr, 0)
+
+
+def persistent_moe_decode(
+    hidden: torch.Tensor,
+    pending: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    *,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    shared_expert_gate: torch.Tensor,
+    workspace: torch.Tensor,
+    tiles: PersistentTiles | None = None,
+    programs: int | None = None,
+    one_launch: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE block of one row ``hidden [1, H]``; returns ``(block output, new hidden, router logits)``.
+
+    With ``norm_weight`` the block's input is ``rms_norm(hidden + pending) * (1 + norm_weight)`` and the new hidden
+    is ``hidden + pending`` (``hidden`` itself without ``pending``); without it ``hidden`` is the input (no
+    ``pending``) and is returned as the new hidden. Weights as in ``moe_grouped.grouped_moe_decode`` (the shared
+    expert is required). Logits ``[E + 1]`` fp32: the router's, then the shared expert's gate logit.
+    ``workspace``: a zeroed int32 tensor (``moe_grouped.moe_workspace``: its first entry is the barrier counter,
+    left zeroed). ``programs``: the grid (default: one per SM; at most that with ``one_launch``). ``one_launch``:
+    the phases in one launch with grid barriers (default everywhere but Triton's interpreter).
+    """
+    tokens, width = hidden.shape
+    if tokens != 1 or not hidden.is_contiguous():
+        raise ValueError(f"hidden must be one contiguous row [1, H]; got {tuple(hidden.shape)}")
+    norm = norm_weight is not None
+    if pending is not None and (not norm or pending.shape != hidden.shape or not pending.is_contiguous()):
+        raise ValueError(f"pending needs norm_weight and must be a contiguous [1, {width}]")
+    if norm and (norm_weight.shape != (width,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
+    num_experts = router.shape[0]
+    if router.shape[1] != width or router.stride() != (width, 1):
+        raise ValueError(f"router must be a contiguous [E, {width}]; got {tuple(router.shape)}")
+    if shared_expert_gate.shape != (1, width) or shared_expert_gate.stride(1) != 1:
+        raise ValueError(f"shared_expert_gate must be [1, {width}]; got {tuple(shared_expert_gate.shape)}")
+    if gate_up.dim() != 3 or gate_up.shape[0] != num_experts or gate_up.shape[2] != width or not gate_up.is_contiguous():
+        raise ValueError(f"gate_up must be a contiguous [{num_experts}, 2I, {width}]; got {tuple(gate_up.shape)}")
+    inner = gate_up.shape[1] // 2
+    if down.shape != (num_experts, width, inner) or not down.is_contiguous():
+        raise ValueError(f"down must be a contiguous [{num_experts}, {width}, {inner}]; got {tuple(down.shape)}")
+    shared_inner = shared_gate_up.shape[0] // 2
+    if shared_gate_up.shape[1] != width or shared_gate_up.stride() != (width, 1):
+        raise ValueError(f"shared_gate_up must be a contiguous [2S, {width}]; got {tuple(shared_gate_up.shape)}")
+    if shared_down.shape != (width, shared_inner) or not shared_down.is_contiguous():
+        raise ValueError(f"shared_down must be a contiguous [{width}, {shared_inner}]; got {tuple(shared_down.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}; got {top_k}")
+    if workspace.dtype != torch.int32 or workspace.numel() < 1:
+        raise ValueError("workspace must be a zeroed int32 tensor")
+    device = hidden.device
+    tiles = tiles or default_tiles(device)
+    one_launch = not interpreting() if one_launch is None else one_launch
+    resident = default_programs(device)
+    programs = programs or resident
+    if one_launch and not 1 <= programs <= resident:
+        raise ValueError(f"one_launch needs every program resident: programs must be in 1..{resident}")
+    has_pending = pending is not None
+    new_hidden = torch.empty_like(hidden) if has_pending else hidden
+    normed = torch.empty_like(hidden) if norm else hidden
+    logits = torch.empty(num_experts + 1, dtype=torch.float32, device=device)
+    act_stride = max(inner, shared_inner)
+    act = torch.empty((top_k + 1, act_stride), dtype=hidden.dtype, device=device)
+    out = torch.empty_like(hidden)
+    args = (
+        hidden, pending if has_pending else hidden, norm_weight if norm else hidden, new_hidden, normed, eps,
+        router, shared_expert_gate, gate_up, down, shared_gate_up, shared_down, logits, act, out, workspace,
+        num_experts, width, inner, shared_inner, act_stride,
+    )
+    constants = dict(
+        TOP_K=top_k, TOP_K_PAD=next_power_of_2(top_k), BLOCK_E=next_power_of_2(num_experts),
+        ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=next_power_of_2(width),
+        GATE_UP_ROWS=tiles.gate_up_rows, BLOCK_K=min(tiles.block_k, next_power_of_2(width)),
+        DOWN_ROWS=tiles.down_rows, BLOCK_I=next_power_of_2(act_stride), NORM=norm, HAS_PENDING=has_pending,
+        PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
+    )
+    for phase in (-1,) if one_launch else (0, 1, 2):
+        _persistent_moe_kernel[(programs,)](*args, PHASE=phase, **constants)
+    return out, new_hidden, logits

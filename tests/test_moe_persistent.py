@@ -1,0 +1,147 @@
+"""The persistent one-row MoE decode kernel (``moe_persistent``) against ``moe_forward`` and plain-torch experts.
+
+Runs on CUDA (bf16: the 35B-A3B shape, odd sizes, grids of one program per SM and of a few programs that loop over
+their units, one launch with grid barriers and the three-launch form); without a GPU in Triton's CPU interpreter
+when ``TRITON_INTERPRET=1`` (fp32, toy shapes, the three-launch form), otherwise it is skipped. In bf16 two router
+logits can round to a tie, so the output is checked against experts run with the routing of the kernel's own logits
+and, whenever that routing is the twin's, against ``moe_forward``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from moe_support import experts_with_routing, fused_views, make_block
+
+from ninfer.kernels.moe import moe_forward, route_tokens
+from ninfer.kernels.norms import rms_norm
+from ninfer.kernels.triton import triton_available
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.cuda.is_available()
+if not triton_available("cuda" if CUDA else "cpu"):
+    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from ninfer.kernels.triton.moe_grouped import moe_workspace  # noqa: E402
+from ninfer.kernels.triton.moe_persistent import default_programs, default_tiles, persistent_moe_decode  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
+EPS = 1e-6
+# (hidden, inner, shared inner, experts, top_k)
+SHAPES = [(2048, 512, 512, 256, 8), (1000, 200, 136, 24, 6), (64, 32, 32, 8, 2)] if CUDA else [(40, 12, 20, 16, 4)]
+# grids: the default (one program per SM on CUDA), and few programs, each looping over several units
+GRIDS = [None, 7] if CUDA else [None, 2, 64]
+
+
+def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(4321)
+
+
+def run(hidden, pending, norm, w, views, top_k, workspace, **options):
+    return persistent_moe_decode(
+        hidden, pending, norm, EPS, views["router"], w["gate_up"], w["down"], top_k,
+        shared_gate_up=views["shared_gate_up"], shared_down=w["shared_down"],
+        shared_expert_gate=views["shared_expert_gate"], workspace=workspace, **options,
+    )
+
+
+def check_block(out, logits, x, w, top_k):
+    """Logits match ``F.linear``; the output matches the experts of the kernel's logits' routing, and the twin."""
+    experts = w["router"].shape[0]
+    assert rel_err(logits[:experts], F.linear(x, w["router"])[0].float()) < TOL
+    assert rel_err(logits[experts:], F.linear(x, w["shared_expert_gate"])[0].float()) < TOL
+    probabilities = torch.softmax(logits[None, :experts], dim=-1)
+    weights, chosen = torch.topk(probabilities, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, experts_with_routing(x, weights, chosen, w, shared=True)) < TOL
+    _, twin_experts = route_tokens(x, w["router"], top_k)
+    if torch.equal(twin_experts.sort(dim=-1).values, chosen.sort(dim=-1).values):
+        twin = moe_forward(
+            x, w["router"], w["gate_up"], w["down"], top_k, shared_gate=w["shared_gate"], shared_up=w["shared_up"],
+            shared_down=w["shared_down"], shared_expert_gate=w["shared_expert_gate"],
+        )
+        assert rel_err(out, twin) < TOL
+    else:  # a bf16 tie between router logits: any of the tied experts is a right answer
+        assert DTYPE == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("programs", GRIDS)
+@pytest.mark.parametrize("entry", ["add_norm", "norm", "plain"])
+def test_persistent_moe_matches_experts_and_twin(shape, programs, entry):
+    hidden_size, inner, shared_inner, experts, top_k = shape
+    w = make_block(hidden_size, inner, shared_inner, experts, DEVICE, DTYPE)
+    views = fused_views(w, experts, shared_inner)
+    hidden = randn(1, hidden_size)
+    pending = randn(1, hidden_size) if entry == "add_norm" else None
+    norm = randn(hidden_size, scale=0.1) if entry != "plain" else None
+    workspace = moe_workspace(hidden_size, DEVICE)
+    out, new_hidden, logits = run(hidden, pending, norm, w, views, top_k, workspace, programs=programs)
+    summed = hidden if pending is None else (hidden.float() + pending.float()).to(DTYPE)
+    assert torch.equal(new_hidden, summed)
+    x = summed if norm is None else rms_norm(summed, norm, EPS, zero_centered=True)
+    check_block(out, logits, x, w, top_k)
+    assert not workspace.any()  # the barrier counter is left zeroed for the next call
+    again = run(hidden, pending, norm, w, views, top_k, workspace, programs=programs)
+    assert torch.equal(again[0], out)
+    if CUDA:  # the three-launch form (the interpreter's) computes the same bits
+        three = run(hidden, pending, norm, w, views, top_k, workspace, programs=programs, one_launch=False)
+        assert torch.equal(three[0], out) and torch.equal(three[2], logits)
+    assert not workspace.any()
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches():
+    """Blocks chained through the residual stream, launched with PDL and captured in one CUDA graph, give the plain
+    launches' results (the counter is reset between the grid barriers of consecutive launches)."""
+    hidden_size, inner, shared_inner, experts, top_k = SHAPES[0]
+    w = make_block(hidden_size, inner, shared_inner, experts, DEVICE, DTYPE)
+    views = fused_views(w, experts, shared_inner)
+    norm = randn(hidden_size, scale=0.1)
+    workspace = moe_workspace(hidden_size, DEVICE)
+    hidden = randn(1, hidden_size)
+
+    def blocks(pending, pdl):
+        tiles = attrs.evolve(default_tiles(DEVICE), pdl=pdl)
+        out, new_hidden, _ = run(hidden, pending, norm, w, views, top_k, workspace, tiles=tiles)
+        out2, new_hidden2, _ = run(new_hidden, out, norm, w, views, top_k, workspace, tiles=tiles)
+        return out2, new_hidden2
+
+    assert_pdl_graph_matches_plain(blocks, [randn(1, hidden_size) for _ in range(3)])
+    assert not workspace.any()
+
+
+def test_persistent_moe_rejects_bad_inputs():
+    hidden_size, inner, shared_inner, experts, top_k = SHAPES[-1]
+    w = make_block(hidden_size, inner, shared_inner, experts, DEVICE, DTYPE)
+    views = fused_views(w, experts, shared_inner)
+    workspace = moe_workspace(hidden_size, DEVICE)
+    hidden = randn(1, hidden_size)
+    norm = randn(hidden_size)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        run(randn(2, hidden_size), None, norm, w, views, top_k, workspace)
+    with pytest.raises(ValueError, match="pending needs norm_weight"):
+        run(hidden, randn(1, hidden_size), None, w, views, top_k, workspace)
+    with pytest.raises(ValueError, match="top_k"):
+        run(hidden, None, norm, w, views, experts + 1, workspace)
+    with pytest.raises(ValueError, match="norm_weight"):
+        run(hidden, None, norm[:-1], w, views, top_k, workspace)
+    with pytest.raises(ValueError, match="router"):
+        run(hidden, None, norm, w, dict(views, router=w["router"][:, :-1]), top_k, workspace)
+    with pytest.raises(ValueError, match="workspace"):
+        run(hidden, None, norm, w, views, top_k, torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="every program resident"):
+        run(hidden, None, norm, w, views, top_k, workspace, programs=default_programs(DEVICE) + 1, one_launch=True)
+    assert not workspace.any()
