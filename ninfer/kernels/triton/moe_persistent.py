@@ -152,7 +152,7 @@ def _gate_up_unit(
         tl.int64
     ) * hidden
     up_rows = gate_rows + width * hidden
-    load_first = row_valid & ~prefetched
+    load_first = tl.where(prefetched, False, row_valid)
     gate_tile = first_gate + weight_tile(gate_rows, load_first, 0, hidden, BLOCK_K)
     up_tile = first_up + weight_tile(up_rows, load_first, 0, hidden, BLOCK_K)
     cols = tl.arange(0, BLOCK_K)
@@ -162,9 +162,9 @@ def _gate_up_unit(
     for first in range(BLOCK_K, hidden, BLOCK_K):
         gate_tile = weight_tile(gate_rows, row_valid, first, hidden, BLOCK_K)
         up_tile = weight_tile(up_rows, row_valid, first, hidden, BLOCK_K)
-        x = tl.load(x_ptr + first + cols, mask=first + cols < hidden, other=0.0, cache_modifier=".cg")
-        gate += tl.sum(gate_tile.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        up += tl.sum(up_tile.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x = tl.load(x_ptr + first + cols, mask=first + cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+        gate += tl.sum(gate_tile.to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(up_tile.to(tl.float32) * x[None, :], axis=1)
     out_type = act_ptr.dtype.element_ty
     gate = gate.to(out_type).to(tl.float32)
     up = up.to(out_type).to(tl.float32)
@@ -195,8 +195,8 @@ def _down_unit(
     (each expert's output rounded to the activation dtype, as the twin rounds it); ``first_tile``: slot 0's."""
     out_type = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_I)
-    act = tl.load(act_ptr + cols, mask=cols < inner, other=0.0, cache_modifier=".cg").to(tl.float32)
-    y = tl.sum(first_tile.to(tl.float32) * act[None, :], axis=1).to(out_type).to(tl.float32)
+    act = tl.load(act_ptr + cols, mask=cols < inner, other=0.0, cache_modifier=".cg")
+    y = tl.sum(first_tile.to(tl.float32) * act.to(tl.float32)[None, :], axis=1).to(out_type).to(tl.float32)
     total = _pick(weights, 0, TOP_K_PAD) * y
     for slot in range(1, TOP_K + 1):
         w = _down_tile(slot, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
