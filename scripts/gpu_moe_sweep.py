@@ -34,8 +34,8 @@ from ninfer.plugins.qwen3_5.synthetic import random_runtime
 PRESET = "qwen3.6-35b-a3b"
 DEFAULT_TILES = moe_persistent.default_tiles
 VARIANTS = [  # changes of the persistent kernel's tiles, each on top of the default
-    {}, dict(warps=4), dict(warps=16), dict(stages=1), dict(stages=3), dict(gate_up_rows=8), dict(gate_up_rows=2),
-    dict(down_rows=8), dict(gate_up_rows=8, warps=16), dict(block_k=1024), dict(block_k=1024, stages=3),
+    {}, dict(down_rows=8), dict(gate_up_rows=4), dict(gate_up_rows=4, down_rows=8), dict(warps=8),
+    dict(warps=8, stages=2),
 ]
 
 

@@ -47,14 +47,18 @@ INTERPRETER_PROGRAMS = 5  # the grid in Triton's interpreter (programs run one a
 
 @attrs.frozen
 class PersistentTiles:
-    """Launch shape of the persistent MoE kernel."""
+    """Launch shape of the persistent MoE kernel. A unit's tiles are whole weight rows held in registers, so the row
+    counts shrink (powers of two) until a program's live tiles fit ``TILE_ELEMENTS_PER_THREAD`` per thread: four
+    gate/up tiles (a unit's and its successor's) and one down unit (every selected expert's rows)."""
 
-    gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
-    block_k: int = 2048  # hidden columns per gate/up step
+    gate_up_rows: int = 8  # inner rows (gate and as many up rows) per gate/up unit
     down_rows: int = 16  # hidden rows per down unit
-    warps: int = 8
-    stages: int = 2
+    warps: int = 16
+    stages: int = 1
     pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
+
+
+TILE_ELEMENTS_PER_THREAD = 128  # weight elements of a program's live tiles per thread (bf16: 64 registers)
 
 
 def default_tiles(device: torch.device | str = "cpu") -> PersistentTiles:
@@ -111,7 +115,8 @@ def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr
 @triton.jit
 def _router_phase(
     router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, logits_ptr,
-    hidden, eps, write_out, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    hidden, eps, write_out, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``), rounded as activations; with
     ``write_out`` the new residual stream and the normed row are stored for the expert phases."""
@@ -134,78 +139,93 @@ def _router_phase(
 
 
 @triton.jit
-def _gate_up_unit(
-    first_gate, first_up, prefetched, unit, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride,
-    hidden, inner, shared_inner, shared_units, expert_units,
-    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _unit_rows(
+    unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner, shared_units, expert_units,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """``silu(gate) * up`` of one unit: ``ROWS`` inner rows of the shared expert (units below ``shared_units``) or of
-    a selected one; ``prefetched``: ``first_gate`` / ``first_up`` hold the unit's first tiles, else they are zero."""
+    """A gate/up unit's routing slot (``TOP_K``: the shared expert, whose units come first), inner rows, their
+    validity, gate-row pointers and the offset of the up rows."""
     shared = unit < shared_units
     slot = tl.where(shared, TOP_K, (unit - shared_units) // expert_units)
     block = tl.where(shared, unit, (unit - shared_units) % expert_units)
     expert = _pick(experts, slot, TOP_K_PAD).to(tl.int64)
     width = tl.where(shared, shared_inner, inner)
     rows = block * ROWS + tl.arange(0, ROWS)
-    row_valid = rows < width
-    gate_rows = tl.where(shared, shared_gate_up_ptr, gate_up_ptr + expert * 2 * inner * hidden) + rows.to(
-        tl.int64
-    ) * hidden
-    up_rows = gate_rows + width * hidden
-    load_first = tl.where(prefetched, False, row_valid)
-    gate_tile = first_gate + weight_tile(gate_rows, load_first, 0, hidden, BLOCK_K)
-    up_tile = first_up + weight_tile(up_rows, load_first, 0, hidden, BLOCK_K)
-    cols = tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
-    gate = tl.sum(gate_tile.to(tl.float32) * x[None, :], axis=1)
-    up = tl.sum(up_tile.to(tl.float32) * x[None, :], axis=1)
-    for first in range(BLOCK_K, hidden, BLOCK_K):
-        gate_tile = weight_tile(gate_rows, row_valid, first, hidden, BLOCK_K)
-        up_tile = weight_tile(up_rows, row_valid, first, hidden, BLOCK_K)
-        x = tl.load(x_ptr + first + cols, mask=first + cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
-        gate += tl.sum(gate_tile.to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(up_tile.to(tl.float32) * x[None, :], axis=1)
+    base = tl.where(shared, shared_gate_up_ptr, gate_up_ptr + expert * 2 * inner * hidden)
+    return slot, rows, rows < width, base + rows.to(tl.int64) * hidden, width * hidden
+
+
+@triton.jit
+def _gate_up_tiles(
+    unit, first_unit, stop_unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+    shared_units, expert_units, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The unit's whole gate and up rows ``([ROWS, BLOCK_H], [ROWS, BLOCK_H])``; zero unless ``first_unit <= unit
+    < stop_unit``."""
+    _, _, row_valid, gate_rows, up_offset = _unit_rows(
+        unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner, shared_units, expert_units,
+        TOP_K, TOP_K_PAD, ROWS,
+    )
+    valid = row_valid & (unit >= first_unit) & (unit < stop_unit)
+    return weight_tile(gate_rows, valid, 0, hidden, BLOCK_H), weight_tile(gate_rows + up_offset, valid, 0, hidden, BLOCK_H)
+
+
+@triton.jit
+def _gate_up_store(
+    gate_tile, up_tile, x, unit, experts, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride, hidden, inner,
+    shared_inner, shared_units, expert_units, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr,
+):
+    """``silu(gate) * up`` of the unit from its tiles and the input row ``x`` (fp32), rounded as the twin rounds."""
+    slot, rows, row_valid, _, _ = _unit_rows(
+        unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner, shared_units, expert_units,
+        TOP_K, TOP_K_PAD, ROWS,
+    )
     out_type = act_ptr.dtype.element_ty
-    gate = gate.to(out_type).to(tl.float32)
-    up = up.to(out_type).to(tl.float32)
+    gate = tl.sum(gate_tile.to(tl.float32) * x[None, :], axis=1).to(out_type).to(tl.float32)
+    up = tl.sum(up_tile.to(tl.float32) * x[None, :], axis=1).to(out_type).to(tl.float32)
     activated = (gate * tl.sigmoid(gate)).to(out_type).to(tl.float32) * up
     tl.store(act_ptr + slot * act_stride + rows, activated.to(out_type), mask=row_valid)
 
 
 @triton.jit
-def _down_tile(slot, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
-               TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr):
-    """The ``[ROWS, BLOCK_I]`` down-projection tile of hidden-row block ``unit`` for routing slot ``slot`` (slot
-    ``TOP_K``: the shared expert); zero past the grid's hidden rows."""
-    shared = slot == TOP_K
-    expert = _pick(experts, slot, TOP_K_PAD).to(tl.int64)
-    width = tl.where(shared, shared_inner, inner)
+def _down_tiles(
+    unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """The down-projection rows of hidden-row block ``unit``: every selected expert's ``[ROWS, TOP_K_PAD, BLOCK_I]``
+    and the shared expert's ``[ROWS, BLOCK_I]`` (zero past the hidden rows), loaded at once."""
     rows = unit * ROWS + tl.arange(0, ROWS)
-    w_rows = tl.where(shared, shared_down_ptr, down_ptr + expert * hidden * inner) + rows.to(tl.int64) * width
-    return weight_tile(w_rows, rows < hidden, 0, width, BLOCK_I)
+    row_valid = rows < hidden
+    slots = tl.arange(0, TOP_K_PAD)
+    cols = tl.arange(0, BLOCK_I)
+    routed = (
+        down_ptr + experts.to(tl.int64)[None, :, None] * hidden * inner + rows.to(tl.int64)[:, None, None] * inner
+        + cols[None, None, :]
+    )
+    routed_mask = row_valid[:, None, None] & (slots < TOP_K)[None, :, None] & (cols < inner)[None, None, :]
+    shared = shared_down_ptr + rows.to(tl.int64)[:, None] * shared_inner + cols[None, :]
+    shared_mask = row_valid[:, None] & (cols < shared_inner)[None, :]
+    return tl.load(routed, mask=routed_mask, other=0.0), tl.load(shared, mask=shared_mask, other=0.0)
 
 
 @triton.jit
-def _down_unit(
-    first_tile, unit, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr, out_ptr,
-    hidden, inner, shared_inner,
+def _down_store(
+    routed_tile, shared_tile, unit, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner, shared_inner,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """The block output's hidden rows of ``unit``: routing-weighted expert outputs, then the gated shared one
-    (each expert's output rounded to the activation dtype, as the twin rounds it); ``first_tile``: slot 0's."""
+    """The block output's hidden rows of ``unit`` from their down tiles: routing-weighted expert outputs plus the
+    shared one gated by ``sigmoid`` of its logit (each expert's output rounded as the twin rounds it)."""
     out_type = out_ptr.dtype.element_ty
+    slots = tl.arange(0, TOP_K_PAD)
     cols = tl.arange(0, BLOCK_I)
-    act = tl.load(act_ptr + cols, mask=cols < inner, other=0.0, cache_modifier=".cg")
-    y = tl.sum(first_tile.to(tl.float32) * act.to(tl.float32)[None, :], axis=1).to(out_type).to(tl.float32)
-    total = _pick(weights, 0, TOP_K_PAD) * y
-    for slot in range(1, TOP_K + 1):
-        w = _down_tile(slot, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
-                       TOP_K, TOP_K_PAD, ROWS, BLOCK_I)
-        width = tl.where(slot == TOP_K, shared_inner, inner)
-        act = tl.load(act_ptr + slot * act_stride + cols, mask=cols < width, other=0.0, cache_modifier=".cg")
-        y = tl.sum(w.to(tl.float32) * act.to(tl.float32)[None, :], axis=1).to(out_type).to(tl.float32)
-        factor = tl.where(slot == TOP_K, tl.sigmoid(shared_gate), _pick(weights, slot, TOP_K_PAD))
-        total += factor * y
+    act_mask = (slots < TOP_K)[:, None] & (cols < inner)[None, :]
+    act = tl.load(act_ptr + slots[:, None] * act_stride + cols[None, :], mask=act_mask, other=0.0, cache_modifier=".cg")
+    routed = tl.sum(routed_tile.to(tl.float32) * act.to(tl.float32)[None, :, :], axis=2).to(out_type).to(tl.float32)
+    total = tl.sum(routed * weights[None, :], axis=1)
+    shared_act = tl.load(act_ptr + TOP_K * act_stride + cols, mask=cols < shared_inner, other=0.0, cache_modifier=".cg")
+    shared = tl.sum(shared_tile.to(tl.float32) * shared_act.to(tl.float32)[None, :], axis=1).to(out_type)
+    total += tl.sigmoid(shared_gate) * shared.to(tl.float32)
     rows = unit * ROWS + tl.arange(0, ROWS)
     tl.store(out_ptr + rows, total.to(out_type), mask=rows < hidden)
 
@@ -216,7 +236,7 @@ def _persistent_moe_kernel(
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
     logits_ptr, act_ptr, out_ptr, counter_ptr, num_experts, hidden, inner, shared_inner, act_stride,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr,
     BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
 ):
     # PHASE -1: all three phases with grid barriers between them; 0, 1, 2: that phase alone (the interpreter's form)
@@ -224,19 +244,19 @@ def _persistent_moe_kernel(
     programs = tl.num_programs(0)
     shared_units = tl.cdiv(shared_inner, GATE_UP_ROWS)
     expert_units = tl.cdiv(inner, GATE_UP_ROWS)
+    gate_up_units = shared_units + TOP_K * expert_units
     down_units = tl.cdiv(hidden, DOWN_ROWS)
-    # before the predecessor wait: the router rows and the first shared-expert tiles (no one writes weights)
+    # before the predecessor wait: the router rows and the first unit's tiles if it is the shared expert's
     if PHASE <= 0:
         rows = pid * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
         row_valid = rows < num_experts + 1
         w_rows = tl.where(rows < num_experts, router_ptr + rows.to(tl.int64) * hidden, expert_gate_ptr)
         router_tile = weight_tile(w_rows, row_valid, 0, hidden, BLOCK_H)
     if PHASE == -1 or PHASE == 1:
-        first_rows = pid * GATE_UP_ROWS + tl.arange(0, GATE_UP_ROWS)
-        first_valid = (pid < shared_units) & (first_rows < shared_inner)
-        first_gate_rows = shared_gate_up_ptr + first_rows.to(tl.int64) * hidden
-        first_gate = weight_tile(first_gate_rows, first_valid, 0, hidden, BLOCK_K)
-        first_up = weight_tile(first_gate_rows + shared_inner * hidden, first_valid, 0, hidden, BLOCK_K)
+        gate_tile, up_tile = _gate_up_tiles(
+            pid, 0, shared_units, tl.zeros((TOP_K_PAD,), tl.int32), gate_up_ptr, shared_gate_up_ptr, hidden, inner,
+            shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
+        )
     after_predecessor(PDL)
     if PHASE <= 0:
         _router_phase(
@@ -247,42 +267,58 @@ def _persistent_moe_kernel(
         _grid_barrier(counter_ptr, programs)
     if PHASE != 0:
         experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E)
-    if PHASE == -1 or PHASE == 1:
+    if PHASE == -1 or PHASE == 1:  # each unit's successor loads while it computes
+        routed_gate, routed_up = _gate_up_tiles(
+            pid, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+            shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
+        )
+        gate_tile += routed_gate
+        up_tile += routed_up
+        cols = tl.arange(0, BLOCK_H)
         x_ptr = normed_ptr if NORM else hidden_ptr
-        gate_up_units = shared_units + TOP_K * expert_units
-        if pid < gate_up_units:
-            _gate_up_unit(
-                first_gate, first_up, pid < shared_units, pid, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr,
-                act_ptr, act_stride, hidden, inner, shared_inner, shared_units, expert_units,
-                TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_K,
+        x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+        for unit in range(pid, gate_up_units, programs):
+            next_gate, next_up = _gate_up_tiles(
+                unit + programs, 0, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
+                shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
             )
-        zero = tl.zeros((GATE_UP_ROWS, BLOCK_K), first_gate.dtype)
-        for unit in range(pid + programs, gate_up_units, programs):
-            _gate_up_unit(
-                zero, zero, False, unit, experts, x_ptr, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride,
-                hidden, inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_K,
+            _gate_up_store(
+                gate_tile, up_tile, x, unit, experts, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride, hidden,
+                inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS,
             )
-    if PHASE == -1 or PHASE == 2:  # the first down tile streams while the last gate/up units finish
-        first_down = _down_tile(0, pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
-                                TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I)
+            gate_tile, up_tile = next_gate, next_up
+    if PHASE == -1 or PHASE == 2:  # the first unit's down rows stream while the other programs finish gate/up
+        routed_tile, shared_tile = _down_tiles(
+            pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+        )
     if PHASE == -1:
         _grid_barrier(counter_ptr, 2 * programs)
     if PHASE == -1 or PHASE == 2:
         if pid < down_units:
-            _down_unit(
-                first_down, pid, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr,
-                out_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+            _down_store(
+                routed_tile, shared_tile, pid, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
+                shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
         for unit in range(pid + programs, down_units, programs):
-            first_down = _down_tile(0, unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner,
-                                    TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I)
-            _down_unit(
-                first_down, unit, experts, weights, shared_gate, act_ptr, act_stride, down_ptr, shared_down_ptr,
-                out_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+            routed_tile, shared_tile = _down_tiles(
+                unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS,
+                BLOCK_I,
+            )
+            _down_store(
+                routed_tile, shared_tile, unit, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
+                shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
     if PHASE == -1:  # the last program out resets the counter for the next call
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
             tl.atomic_xchg(counter_ptr, 0)
+
+
+def _rows_within(rows: int, elements_per_row: int, budget: int) -> int:
+    """The largest power of two <= ``rows`` (at least 1) whose ``elements_per_row`` fit ``budget``."""
+    fitting = next_power_of_2(rows)
+    while fitting > 1 and (fitting > rows or fitting * elements_per_row > budget):
+        fitting //= 2
+    return fitting
 
 
 def persistent_moe_decode(
@@ -359,11 +395,14 @@ def persistent_moe_decode(
         router, shared_expert_gate, gate_up, down, shared_gate_up, shared_down, logits, act, out, workspace,
         num_experts, width, inner, shared_inner, act_stride,
     )
+    block_h, block_i, top_k_pad = next_power_of_2(width), next_power_of_2(act_stride), next_power_of_2(top_k)
+    budget = TILE_ELEMENTS_PER_THREAD * 32 * tiles.warps
     constants = dict(
-        TOP_K=top_k, TOP_K_PAD=next_power_of_2(top_k), BLOCK_E=next_power_of_2(num_experts),
-        ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=next_power_of_2(width),
-        GATE_UP_ROWS=tiles.gate_up_rows, BLOCK_K=min(tiles.block_k, next_power_of_2(width)),
-        DOWN_ROWS=tiles.down_rows, BLOCK_I=next_power_of_2(act_stride), NORM=norm, HAS_PENDING=has_pending,
+        TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_E=next_power_of_2(num_experts),
+        ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
+        GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
+        DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
+        HAS_PENDING=has_pending,
         PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
     )
     for phase in (-1,) if one_launch else (0, 1, 2):
