@@ -43,6 +43,8 @@ from ninfer.kernels.triton.norm_gemv import (
 )
 
 INTERPRETER_PROGRAMS = 5  # the grid in Triton's interpreter (programs run one after another there)
+TRACE_SLOTS = 16  # int64 clock stamps per program with ``trace`` (``TRACE_POINTS`` of them used)
+TRACE_POINTS = ("start", "waited", "routed_rows", "barrier_1", "routing", "gate_up", "down_issued", "barrier_2", "end")
 
 
 @attrs.frozen
@@ -51,7 +53,7 @@ class PersistentTiles:
     counts shrink (powers of two) until a program's live tiles fit ``TILE_ELEMENTS_PER_THREAD`` per thread: four
     gate/up tiles (a unit's and its successor's) and one down unit (every selected expert's rows)."""
 
-    gate_up_rows: int = 8  # inner rows (gate and as many up rows) per gate/up unit
+    gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
     down_rows: int = 16  # hidden rows per down unit
     warps: int = 16
     stages: int = 1
@@ -83,6 +85,21 @@ def _grid_barrier(counter_ptr, target):
     while arrived < target:
         arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(trace_ptr, index, TRACE: tl.constexpr):
+    """With ``TRACE``: this program's SM clock (``%clock64``) into slot ``index`` of its trace row, and at the first
+    and last point (0 and 8) the global nanosecond timer into slots 14 and 15 (``TRACE_SLOTS`` wide rows)."""
+    if TRACE:
+        row = trace_ptr + tl.program_id(0) * 16
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(row + index, clock)
+        if index == 0 or index == 8:
+            nanoseconds = tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+            )
+            tl.store(row + 14 + index // 8, nanoseconds)
 
 
 @triton.jit
@@ -234,10 +251,11 @@ def _down_store(
 def _persistent_moe_kernel(
     hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, eps,
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
-    logits_ptr, act_ptr, out_ptr, counter_ptr, num_experts, hidden, inner, shared_inner, act_stride,
+    logits_ptr, act_ptr, out_ptr, counter_ptr, trace_ptr, num_experts, hidden, inner, shared_inner, act_stride,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr,
     BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     # PHASE -1: all three phases with grid barriers between them; 0, 1, 2: that phase alone (the interpreter's form)
     pid = tl.program_id(0)
@@ -246,6 +264,7 @@ def _persistent_moe_kernel(
     expert_units = tl.cdiv(inner, GATE_UP_ROWS)
     gate_up_units = shared_units + TOP_K * expert_units
     down_units = tl.cdiv(hidden, DOWN_ROWS)
+    _stamp(trace_ptr, 0, TRACE)
     # before the predecessor wait: the router rows and the first unit's tiles if it is the shared expert's
     if PHASE <= 0:
         rows = pid * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
@@ -258,15 +277,19 @@ def _persistent_moe_kernel(
             shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
         )
     after_predecessor(PDL)
+    _stamp(trace_ptr, 1, TRACE)
     if PHASE <= 0:
         _router_phase(
             router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr,
             logits_ptr, hidden, eps, pid == 0, NORM, HAS_PENDING, ROUTER_ROWS, BLOCK_H,
         )
+    _stamp(trace_ptr, 2, TRACE)
     if PHASE == -1:
         _grid_barrier(counter_ptr, programs)
+    _stamp(trace_ptr, 3, TRACE)
     if PHASE != 0:
         experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E)
+    _stamp(trace_ptr, 4, TRACE)
     if PHASE == -1 or PHASE == 1:  # each unit's successor loads while it computes
         routed_gate, routed_up = _gate_up_tiles(
             pid, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
@@ -287,12 +310,15 @@ def _persistent_moe_kernel(
                 inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS,
             )
             gate_tile, up_tile = next_gate, next_up
+    _stamp(trace_ptr, 5, TRACE)
     if PHASE == -1 or PHASE == 2:  # the first unit's down rows stream while the other programs finish gate/up
         routed_tile, shared_tile = _down_tiles(
             pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
         )
+    _stamp(trace_ptr, 6, TRACE)
     if PHASE == -1:
         _grid_barrier(counter_ptr, 2 * programs)
+    _stamp(trace_ptr, 7, TRACE)
     if PHASE == -1 or PHASE == 2:
         if pid < down_units:
             _down_store(
@@ -308,6 +334,7 @@ def _persistent_moe_kernel(
                 routed_tile, shared_tile, unit, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
                 shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
+    _stamp(trace_ptr, 8, TRACE)
     if PHASE == -1:  # the last program out resets the counter for the next call
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
             tl.atomic_xchg(counter_ptr, 0)
@@ -338,6 +365,7 @@ def persistent_moe_decode(
     tiles: PersistentTiles | None = None,
     programs: int | None = None,
     one_launch: bool | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE block of one row ``hidden [1, H]``; returns ``(block output, new hidden, router logits)``.
 
@@ -347,7 +375,8 @@ def persistent_moe_decode(
     expert is required). Logits ``[E + 1]`` fp32: the router's, then the shared expert's gate logit.
     ``workspace``: a zeroed int32 tensor (``moe_grouped.moe_workspace``: its first entry is the barrier counter,
     left zeroed). ``programs``: the grid (default: one per SM; at most that with ``one_launch``). ``one_launch``:
-    the phases in one launch with grid barriers (default everywhere but Triton's interpreter).
+    the phases in one launch with grid barriers (default everywhere but Triton's interpreter). ``trace``: an int64
+    ``[programs, TRACE_SLOTS]`` tensor that receives each program's SM clock at ``TRACE_POINTS`` (CUDA only).
     """
     tokens, width = hidden.shape
     if tokens != 1 or not hidden.is_contiguous():
@@ -383,6 +412,8 @@ def persistent_moe_decode(
     programs = programs or resident
     if one_launch and not 1 <= programs <= resident:
         raise ValueError(f"one_launch needs every program resident: programs must be in 1..{resident}")
+    if trace is not None and (trace.dtype != torch.int64 or trace.shape != (programs, TRACE_SLOTS)):
+        raise ValueError(f"trace must be an int64 [{programs}, {TRACE_SLOTS}] tensor")
     has_pending = pending is not None
     new_hidden = torch.empty_like(hidden) if has_pending else hidden
     normed = torch.empty_like(hidden) if norm else hidden
@@ -393,6 +424,7 @@ def persistent_moe_decode(
     args = (
         hidden, pending if has_pending else hidden, norm_weight if norm else hidden, new_hidden, normed, eps,
         router, shared_expert_gate, gate_up, down, shared_gate_up, shared_down, logits, act, out, workspace,
+        workspace if trace is None else trace,
         num_experts, width, inner, shared_inner, act_stride,
     )
     block_h, block_i, top_k_pad = next_power_of_2(width), next_power_of_2(act_stride), next_power_of_2(top_k)
@@ -402,7 +434,7 @@ def persistent_moe_decode(
         ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
         GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
         DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
-        HAS_PENDING=has_pending,
+        HAS_PENDING=has_pending, TRACE=trace is not None,
         PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
     )
     for phase in (-1,) if one_launch else (0, 1, 2):
