@@ -4,7 +4,8 @@ Runs on CUDA (bf16: the 35B-A3B shape, odd sizes, grids of one program per SM an
 their units, one launch with grid barriers and the three-launch form); without a GPU in Triton's CPU interpreter
 when ``TRITON_INTERPRET=1`` (fp32, toy shapes, the three-launch form), otherwise it is skipped. In bf16 two router
 logits can round to a tie, so the output is checked against experts run with the routing of the kernel's own logits
-and, whenever that routing is the twin's, against ``moe_forward``.
+(the highest logits, the lower index first among equal ones) and, whenever that routing is the twin's, against
+``moe_forward``.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def check_block(out, logits, x, w, top_k):
     experts = w["router"].shape[0]
     assert rel_err(logits[:experts], F.linear(x, w["router"])[0].float()) < TOL
     assert rel_err(logits[experts:], F.linear(x, w["shared_expert_gate"])[0].float()) < TOL
-    probabilities = torch.softmax(logits[None, :experts], dim=-1)
-    weights, chosen = torch.topk(probabilities, top_k, dim=-1)
+    # the kernel's rule: the highest logits, the lower index first among equal (bf16-rounded) ones
+    chosen = torch.sort(logits[None, :experts], dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.softmax(logits[None, :experts], dim=-1).gather(1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, experts_with_routing(x, weights, chosen, w, shared=True)) < TOL
@@ -123,6 +125,21 @@ def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches():
     assert not workspace.any()
 
 
+def test_equal_logits_select_the_lower_expert():
+    """Three experts with the same router row tie for the top two slots: the lower two are selected."""
+    hidden_size, inner, shared_inner, experts, _ = SHAPES[-1]
+    w = make_block(hidden_size, inner, shared_inner, experts, DEVICE, DTYPE)
+    views = fused_views(w, experts, shared_inner)
+    hidden = randn(1, hidden_size)
+    for expert in (2, 4, 6):  # a logit far above every other
+        views["router"][expert] = w["router"][expert] = hidden[0] * 4
+    workspace = moe_workspace(hidden_size, DEVICE)
+    out, _, logits = run(hidden, None, None, w, views, 2, workspace)
+    assert logits[2] == logits[4] == logits[6] and logits[2] > logits[:experts].topk(4).values[-1]
+    weights = torch.full((1, 2), 0.5, device=DEVICE)
+    assert rel_err(out, experts_with_routing(hidden, weights, torch.tensor([[2, 4]]), w, shared=True)) < TOL
+
+
 def test_persistent_moe_rejects_bad_inputs():
     hidden_size, inner, shared_inner, experts, top_k = SHAPES[-1]
     w = make_block(hidden_size, inner, shared_inner, experts, DEVICE, DTYPE)
@@ -142,6 +159,6 @@ def test_persistent_moe_rejects_bad_inputs():
         run(hidden, None, norm, w, dict(views, router=w["router"][:, :-1]), top_k, workspace)
     with pytest.raises(ValueError, match="workspace"):
         run(hidden, None, norm, w, views, top_k, torch.zeros(2, device=DEVICE))
-    with pytest.raises(ValueError, match="every program resident"):
-        run(hidden, None, norm, w, views, top_k, workspace, programs=default_programs(DEVICE) + 1, one_launch=True)
+    with pytest.raises(ValueError, match="every program resident" if CUDA else "needs a CUDA device"):
+        run(hidden, None, norm, w, views, top_k, workspace, programs=100 * default_programs(DEVICE), one_launch=True)
     assert not workspace.any()

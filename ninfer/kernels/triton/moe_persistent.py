@@ -54,8 +54,10 @@ class PersistentTiles:
     gate/up tiles (a unit's and its successor's) and one down unit (every selected expert's rows)."""
 
     gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
-    down_rows: int = 16  # hidden rows per down unit
+    down_rows: int = 8  # hidden rows per down unit
     warps: int = 16
+    programs_per_sm: int = 1  # the grid (all resident at once: checked against the compiled kernel's resources)
+    max_registers: int | None = None  # per thread (``maxnreg``): more programs fit per SM, at the cost of spills
     stages: int = 1
     pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
 
@@ -68,12 +70,25 @@ def default_tiles(device: torch.device | str = "cpu") -> PersistentTiles:
     return PersistentTiles(pdl=pdl_supported(device))
 
 
-def default_programs(device: torch.device | str) -> int:
-    """One program per SM on CUDA (all resident at once), ``INTERPRETER_PROGRAMS`` in the interpreter."""
+def default_programs(device: torch.device | str, tiles: PersistentTiles | None = None) -> int:
+    """``tiles.programs_per_sm`` programs per SM on CUDA, ``INTERPRETER_PROGRAMS`` in the interpreter."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = (tiles or default_tiles(device)).programs_per_sm
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return INTERPRETER_PROGRAMS
+
+
+def resident_programs(compiled, warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel all SMs hold at once (registers, shared memory, threads, blocks)."""
+    properties = torch.cuda.get_device_properties(device)
+    compiled._init_handles()  # loads the binary: n_regs is known from here
+    warp_registers = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_registers = 4 * (getattr(properties, "regs_per_multiprocessor", 65536) // 4 // warp_registers) // warps
+    shared = getattr(properties, "shared_memory_per_multiprocessor", 233472)
+    by_shared = shared // (compiled.metadata.shared + 1024)  # 1 KB reserved per block
+    by_threads = properties.max_threads_per_multi_processor // (32 * warps)
+    return min(by_registers, by_shared, by_threads, 32) * properties.multi_processor_count
 
 
 @triton.jit
@@ -109,22 +124,27 @@ def _pick(values, index, PAD: tl.constexpr):
 
 
 @triton.jit
-def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``(experts [TOP_K_PAD] int32, weights [TOP_K_PAD] fp32, shared gate logit)`` from the router logits: softmax
-    over all experts in fp32, the top ``TOP_K``, renormalised to sum 1 (what ``moe_grouped`` computes)."""
+def _route(
+    logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+    RANK_CHUNK: tl.constexpr = 32,
+):
+    """``(experts [TOP_K_PAD] int32, weights [TOP_K_PAD] fp32, shared gate logit)`` from the router logits: the
+    ``TOP_K`` highest logits (the lower index first among equal ones), weighted by their softmax renormalised over
+    the selection (what the twin's softmax, top-k and renormalisation give). Each expert's rank is one reduction
+    over all pairs, instead of ``TOP_K`` dependent arg-max reductions."""
     e = tl.arange(0, BLOCK_E)
-    valid = e < num_experts
-    logits = tl.load(logits_ptr + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    probabilities = tl.exp(logits - tl.max(logits, axis=0))
-    probabilities = tl.where(valid, probabilities / tl.sum(probabilities, axis=0), -1.0)
+    logits = tl.load(logits_ptr + e, mask=e < num_experts, other=float("-inf"), cache_modifier=".cg")
+    rank = tl.zeros((BLOCK_E,), tl.int32)
+    for first in tl.static_range(0, BLOCK_E, RANK_CHUNK):  # [BLOCK_E, RANK_CHUNK] pairs at a time
+        j = first + tl.arange(0, RANK_CHUNK)
+        other = tl.load(logits_ptr + j, mask=j < num_experts, other=float("-inf"), cache_modifier=".cg")
+        beaten_by = (other[None, :] > logits[:, None]) | ((other[None, :] == logits[:, None]) & (j[None, :] < e[:, None]))
+        rank += tl.sum(beaten_by.to(tl.int32), axis=1)
     slots = tl.arange(0, TOP_K_PAD)
-    weights = tl.zeros((TOP_K_PAD,), tl.float32)
-    experts = tl.zeros((TOP_K_PAD,), tl.int32)
-    for j in tl.static_range(TOP_K):
-        best_weight, best = tl.max(probabilities, axis=0, return_indices=True)
-        weights = tl.where(slots == j, best_weight, weights)
-        experts = tl.where(slots == j, best, experts)
-        probabilities = tl.where(e == best, -1.0, probabilities)
+    match = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]
+    experts = tl.sum(tl.where(match, e[None, :], 0), axis=1)
+    chosen = tl.sum(tl.where(match, logits[None, :], 0.0), axis=1)
+    weights = tl.where(slots < TOP_K, tl.exp(chosen - tl.max(logits, axis=0)), 0.0)
     weights = weights / tl.sum(weights, axis=0)
     return experts, weights, tl.load(logits_ptr + num_experts, cache_modifier=".cg")
 
@@ -311,9 +331,13 @@ def _persistent_moe_kernel(
             )
             gate_tile, up_tile = next_gate, next_up
     _stamp(trace_ptr, 5, TRACE)
-    if PHASE == -1 or PHASE == 2:  # the first unit's down rows stream while the other programs finish gate/up
+    if PHASE == -1 or PHASE == 2:  # the first two units' down rows stream while the other programs finish gate/up
         routed_tile, shared_tile = _down_tiles(
             pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+        )
+        second_routed, second_shared = _down_tiles(
+            pid + programs, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD,
+            DOWN_ROWS, BLOCK_I,
         )
     _stamp(trace_ptr, 6, TRACE)
     if PHASE == -1:
@@ -325,7 +349,12 @@ def _persistent_moe_kernel(
                 routed_tile, shared_tile, pid, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
                 shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
-        for unit in range(pid + programs, down_units, programs):
+        if pid + programs < down_units:
+            _down_store(
+                second_routed, second_shared, pid + programs, weights, shared_gate, act_ptr, act_stride, out_ptr,
+                hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+            )
+        for unit in range(pid + 2 * programs, down_units, programs):
             routed_tile, shared_tile = _down_tiles(
                 unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS,
                 BLOCK_I,
@@ -338,6 +367,21 @@ def _persistent_moe_kernel(
     if PHASE == -1:  # the last program out resets the counter for the next call
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
             tl.atomic_xchg(counter_ptr, 0)
+
+
+_RESIDENT: dict[tuple, int] = {}  # resident_programs per launch configuration
+
+
+def _check_resident(programs: int, args: tuple, constants: dict, warps: int, device: torch.device) -> None:
+    """The grid barriers deadlock unless every program is resident at once: refuse a grid larger than that."""
+    if device.type != "cuda":
+        raise ValueError("one_launch needs a CUDA device (the interpreter runs programs one after another)")
+    key = (device.index, *sorted(constants.items()))
+    if key not in _RESIDENT:
+        compiled = _persistent_moe_kernel.warmup(*args, PHASE=-1, grid=(programs,), **constants)
+        _RESIDENT[key] = resident_programs(compiled, warps, device)
+    if programs > _RESIDENT[key]:
+        raise ValueError(f"one_launch needs every program resident: at most {_RESIDENT[key]} programs, got {programs}")
 
 
 def _rows_within(rows: int, elements_per_row: int, budget: int) -> int:
@@ -408,10 +452,7 @@ def persistent_moe_decode(
     device = hidden.device
     tiles = tiles or default_tiles(device)
     one_launch = not interpreting() if one_launch is None else one_launch
-    resident = default_programs(device)
-    programs = programs or resident
-    if one_launch and not 1 <= programs <= resident:
-        raise ValueError(f"one_launch needs every program resident: programs must be in 1..{resident}")
+    programs = programs or default_programs(device, tiles)
     if trace is not None and (trace.dtype != torch.int64 or trace.shape != (programs, TRACE_SLOTS)):
         raise ValueError(f"trace must be an int64 [{programs}, {TRACE_SLOTS}] tensor")
     has_pending = pending is not None
@@ -436,7 +477,10 @@ def persistent_moe_decode(
         DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
         HAS_PENDING=has_pending, TRACE=trace is not None,
         PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
+        **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}),
     )
+    if one_launch:
+        _check_resident(programs, args, constants, tiles.warps, device)
     for phase in (-1,) if one_launch else (0, 1, 2):
         _persistent_moe_kernel[(programs,)](*args, PHASE=phase, **constants)
     return out, new_hidden, logits
