@@ -38,10 +38,9 @@ from ninfer.plugins.qwen3_5.synthetic import random_runtime
 PRESET = "qwen3.6-35b-a3b"
 DEFAULT_TILES = moe_persistent.default_tiles
 VARIANTS = [  # changes of the persistent kernel's tiles, each on top of the default
-    {}, dict(gate_up_rows=8), dict(warps=8, down_rows=4), dict(warps=8, programs_per_sm=2, max_registers=128, down_rows=4),
-    dict(warps=4, programs_per_sm=2, gate_up_rows=2, down_rows=2),
-    dict(warps=4, programs_per_sm=4, max_registers=128, gate_up_rows=2, down_rows=2),
-    dict(warps=4, programs_per_sm=3, max_registers=168, gate_up_rows=2, down_rows=2),
+    {}, dict(warps=8, programs_per_sm=2, max_registers=128, down_rows=4),
+    dict(warps=8, programs_per_sm=2, max_registers=128, gate_up_rows=2, down_rows=4),
+    dict(warps=8, programs_per_sm=2, max_registers=128, gate_up_rows=2, down_rows=2),
 ]
 
 
@@ -108,7 +107,7 @@ def phase_profile(blocks: Blocks, clock: Clock, tiles: PersistentTiles) -> dict:
     the span of a block (first start to last end) and the gap from one block's last end to the next one's first
     start."""
     device = blocks.norm_weight.device
-    programs = default_programs(device)
+    programs = default_programs(device, tiles)
     traces = [torch.zeros(programs, TRACE_SLOTS, dtype=torch.int64, device=device) for _ in range(CALLS)]
     graph_us([lambda i=i: blocks.persistent(i, tiles, traces[i]) for i in range(CALLS)], clock)
     stamps = torch.stack(traces).double().cpu()  # [calls, programs, slots]
