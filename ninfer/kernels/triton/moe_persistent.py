@@ -124,27 +124,21 @@ def _pick(values, index, PAD: tl.constexpr):
 
 
 @triton.jit
-def _route(
-    logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
-    RANK_CHUNK: tl.constexpr = 32,
-):
+def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(experts [TOP_K_PAD] int32, weights [TOP_K_PAD] fp32, shared gate logit)`` from the router logits: the
     ``TOP_K`` highest logits (the lower index first among equal ones), weighted by their softmax renormalised over
-    the selection (what the twin's softmax, top-k and renormalisation give). Each expert's rank is one reduction
-    over all pairs, instead of ``TOP_K`` dependent arg-max reductions."""
+    the selection (what the twin's softmax, top-k and renormalisation give). One bitonic top-k (``tl.topk``) over
+    int64 keys that order like (logit, -index), instead of ``TOP_K`` dependent arg-max reductions."""
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + e, mask=e < num_experts, other=float("-inf"), cache_modifier=".cg")
-    rank = tl.zeros((BLOCK_E,), tl.int32)
-    for first in tl.static_range(0, BLOCK_E, RANK_CHUNK):  # [BLOCK_E, RANK_CHUNK] pairs at a time
-        j = first + tl.arange(0, RANK_CHUNK)
-        other = tl.load(logits_ptr + j, mask=j < num_experts, other=float("-inf"), cache_modifier=".cg")
-        beaten_by = (other[None, :] > logits[:, None]) | ((other[None, :] == logits[:, None]) & (j[None, :] < e[:, None]))
-        rank += tl.sum(beaten_by.to(tl.int32), axis=1)
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order like the floats
+    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    top = tl.topk(keys, TOP_K_PAD)
     slots = tl.arange(0, TOP_K_PAD)
-    match = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]
-    experts = tl.sum(tl.where(match, e[None, :], 0), axis=1)
-    chosen = tl.sum(tl.where(match, logits[None, :], 0.0), axis=1)
-    weights = tl.where(slots < TOP_K, tl.exp(chosen - tl.max(logits, axis=0)), 0.0)
+    experts = tl.where(slots < TOP_K, BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32), 0)
+    chosen = tl.load(logits_ptr + experts, mask=slots < TOP_K, other=float("-inf"), cache_modifier=".cg")
+    weights = tl.exp(chosen - tl.max(chosen, axis=0))
     weights = weights / tl.sum(weights, axis=0)
     return experts, weights, tl.load(logits_ptr + num_experts, cache_modifier=".cg")
 
