@@ -1,28 +1,33 @@
 """The MoE block of a one-row decode step as one persistent launch: router, experts' gate/up, experts' down.
 
 At one row the block reads ~57 MB (35B-A3B: eight routed experts and the shared one), which the H200 streams in
-~14 µs, but three dependent launches (``moe_grouped``) took ~33 µs: each waits for its predecessor's last program,
-and the router's result passed through one finishing program. Here one grid of at most one program per SM runs
-three phases separated by grid barriers (an arrival counter every program spins on), so no phase waits for a
-launch, and the weights a phase can already name are in flight before its barrier:
+~14 µs, but the grouped kernels' three dependent launches (``moe_grouped``) take ~30 µs: each waits for its
+predecessor's last program, and the router's result passes through one finishing program. Here one grid whose
+programs are all resident at once (``PersistentTiles.programs_per_sm``) runs three phases separated by grid barriers
+(an arrival counter every program spins on), so no phase waits for a launch, and the weights a phase can already
+name are in flight before its barrier:
 
 0. router: each program multiplies a few router rows (and the shared expert's gate row) with the block's input,
    normalised by every program itself (``rms_norm(hidden + pending) * (1 + w)``; program 0 writes the new residual
-   stream and the normed row for phase 1). Its router rows and the first tile of its first shared-expert unit are
-   loaded before the wait for the previous kernel (programmatic dependent launch).
-1. gate/up: every program routes the row itself from the logits (softmax in fp32, top-k, renormalised) and runs
-   units of ``gate_up_rows`` inner rows, the shared expert's first (their first tile is already loaded), then the
-   selected experts', writing ``silu(gate) * up``. Before the next barrier it loads the first down tile of its unit.
-2. down: each program sums, for its block of hidden rows, every selected expert's down projection weighted by the
-   routing and the shared expert's gated by ``sigmoid`` of its logit, in a fixed order (deterministic, no atomics
-   on data), and writes the block output.
+   stream and the normed row for phase 1). Its router rows and, where its first gate/up unit is the shared
+   expert's, that unit's rows are loaded before the wait for the previous kernel (programmatic dependent launch).
+1. gate/up: every program routes the row itself from the logits (one bitonic top-k of (logit, -index) keys: the
+   highest logits, the lower index first among equal ones; softmax renormalised over the selection) and runs units
+   of ``gate_up_rows`` whole inner rows, the shared expert's first, then the selected experts', writing
+   ``silu(gate) * up``; each unit's successor loads while it computes. Before the next barrier it loads the down rows
+   of its first two units.
+2. down: each program sums, for its blocks of hidden rows, every selected expert's down projection weighted by the
+   routing and the shared expert's gated by ``sigmoid`` of its logit, in a fixed order (deterministic, no atomics on
+   data), and writes the block output.
 
-The barriers need every program resident at once: the grid is at most one program per SM (``programs``), and the
-programs of the next kernel, launched early by programmatic dependent launch, start only after all of this grid's
-have (it fires the launch right after its own wait). Triton's CPU interpreter runs programs one after another, so
-there (``one_launch=False``) the same three phases run as three launches and the kernel boundaries are the barriers.
-The counter ends every call at zero. Twin: ``ninfer.kernels.moe.moe_forward`` (of ``ninfer.kernels.norms.rms_norm``
-of the sum with ``norm_weight``); rounding follows ``moe_grouped``.
+The barriers deadlock unless every program is resident: the first one-launch call of a configuration compiles the
+kernel and refuses a grid larger than the SMs hold by its registers and shared memory, and the programs of the next
+kernel, launched early by programmatic dependent launch, start only after all of this grid's have (it fires the
+launch right after its own wait). Triton's CPU interpreter runs programs one after another, so there
+(``one_launch=False``) the same three phases run as three launches and the kernel boundaries are the barriers. The
+counter ends every call at zero. ``trace`` records each program's clock at the phase boundaries
+(``scripts/gpu_moe_sweep.py`` prints the profile). Twin: ``ninfer.kernels.moe.moe_forward`` (of
+``ninfer.kernels.norms.rms_norm`` of the sum with ``norm_weight``); rounding follows ``moe_grouped``.
 """
 
 from __future__ import annotations
@@ -54,10 +59,10 @@ class PersistentTiles:
     gate/up tiles (a unit's and its successor's) and one down unit (every selected expert's rows)."""
 
     gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
-    down_rows: int = 8  # hidden rows per down unit
-    warps: int = 16
-    programs_per_sm: int = 1  # the grid (all resident at once: checked against the compiled kernel's resources)
-    max_registers: int | None = None  # per thread (``maxnreg``): more programs fit per SM, at the cost of spills
+    down_rows: int = 4  # hidden rows per down unit
+    warps: int = 8
+    programs_per_sm: int = 2  # the grid (all resident at once: checked against the compiled kernel's resources)
+    max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM, at the cost of a few spills
     stages: int = 1
     pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
 
@@ -412,9 +417,10 @@ def persistent_moe_decode(
     ``pending``) and is returned as the new hidden. Weights as in ``moe_grouped.grouped_moe_decode`` (the shared
     expert is required). Logits ``[E + 1]`` fp32: the router's, then the shared expert's gate logit.
     ``workspace``: a zeroed int32 tensor (``moe_grouped.moe_workspace``: its first entry is the barrier counter,
-    left zeroed). ``programs``: the grid (default: one per SM; at most that with ``one_launch``). ``one_launch``:
-    the phases in one launch with grid barriers (default everywhere but Triton's interpreter). ``trace``: an int64
-    ``[programs, TRACE_SLOTS]`` tensor that receives each program's SM clock at ``TRACE_POINTS`` (CUDA only).
+    left zeroed). ``programs``: the grid (default: ``default_programs``; all resident with ``one_launch``).
+    ``one_launch``: the phases in one launch with grid barriers (default everywhere but Triton's interpreter).
+    ``trace``: an int64 ``[programs, TRACE_SLOTS]`` tensor that receives each program's SM clock at ``TRACE_POINTS``
+    (CUDA only).
     """
     tokens, width = hidden.shape
     if tokens != 1 or not hidden.is_contiguous():
