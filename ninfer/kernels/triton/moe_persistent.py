@@ -204,7 +204,8 @@ def _gate_up_tiles(
         TOP_K, TOP_K_PAD, ROWS,
     )
     valid = row_valid & (unit >= first_unit) & (unit < stop_unit)
-    return weight_tile(gate_rows, valid, 0, hidden, BLOCK_H), weight_tile(gate_rows + up_offset, valid, 0, hidden, BLOCK_H)
+    gate = weight_tile(gate_rows, valid, 0, hidden, BLOCK_H)
+    return gate, weight_tile(gate_rows + up_offset, valid, 0, hidden, BLOCK_H)
 
 
 @triton.jit
@@ -435,7 +436,7 @@ def persistent_moe_decode(
         raise ValueError(f"router must be a contiguous [E, {width}]; got {tuple(router.shape)}")
     if shared_expert_gate.shape != (1, width) or shared_expert_gate.stride(1) != 1:
         raise ValueError(f"shared_expert_gate must be [1, {width}]; got {tuple(shared_expert_gate.shape)}")
-    if gate_up.dim() != 3 or gate_up.shape[0] != num_experts or gate_up.shape[2] != width or not gate_up.is_contiguous():
+    if gate_up.dim() != 3 or gate_up.shape[::2] != (num_experts, width) or not gate_up.is_contiguous():
         raise ValueError(f"gate_up must be a contiguous [{num_experts}, 2I, {width}]; got {tuple(gate_up.shape)}")
     inner = gate_up.shape[1] // 2
     if down.shape != (num_experts, width, inner) or not down.is_contiguous():
