@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kernel_support import rel_err
+
+from ninfer.kernels.moe import moe_forward, route_tokens
 
 
 def make_block(hidden: int, inner: int, shared_inner: int, experts: int, device, dtype) -> dict[str, torch.Tensor]:
@@ -49,3 +52,17 @@ def experts_with_routing(x, weights, chosen, w, shared: bool) -> torch.Tensor:
         shared_out = F.linear(F.silu(F.linear(x, w["shared_gate"])) * F.linear(x, w["shared_up"]), w["shared_down"])
         out += torch.sigmoid(gate_logit) * shared_out.float()
     return out.to(x.dtype)
+
+
+def check_against_twin(out: torch.Tensor, x: torch.Tensor, w: dict, top_k: int, chosen: torch.Tensor, tol: float):
+    """``out`` matches ``moe_forward`` whenever the kernel's selection ``chosen [N, k]`` is the twin's; otherwise the
+    two differ by a tie between bf16 router logits, where any of the tied experts is a right answer."""
+    _, twin_experts = route_tokens(x, w["router"], top_k)
+    if torch.equal(twin_experts.sort(dim=-1).values, chosen.long().sort(dim=-1).values):
+        twin = moe_forward(
+            x, w["router"], w["gate_up"], w["down"], top_k, shared_gate=w["shared_gate"], shared_up=w["shared_up"],
+            shared_down=w["shared_down"], shared_expert_gate=w["shared_expert_gate"],
+        )
+        assert rel_err(out, twin) < tol
+    else:
+        assert x.dtype == torch.bfloat16

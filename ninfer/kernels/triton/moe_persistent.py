@@ -55,15 +55,14 @@ TRACE_POINTS = ("start", "waited", "routed_rows", "barrier_1", "routing", "gate_
 @attrs.frozen
 class PersistentTiles:
     """Launch shape of the persistent MoE kernel. A unit's tiles are whole weight rows held in registers, so the row
-    counts shrink (powers of two) until a program's live tiles fit ``TILE_ELEMENTS_PER_THREAD`` per thread: four
-    gate/up tiles (a unit's and its successor's) and one down unit (every selected expert's rows)."""
+    counts shrink (powers of two) until four gate/up tiles (a unit's and its successor's) or one down unit (every
+    selected expert's rows) fit ``TILE_ELEMENTS_PER_THREAD`` per thread."""
 
     gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
     down_rows: int = 4  # hidden rows per down unit
     warps: int = 8
     programs_per_sm: int = 2  # the grid (all resident at once: checked against the compiled kernel's resources)
     max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM, at the cost of a few spills
-    stages: int = 1
     pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
 
 
@@ -477,7 +476,7 @@ def persistent_moe_decode(
         GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
         DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
         HAS_PENDING=has_pending, TRACE=trace is not None,
-        PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(tiles.pdl),
+        PDL=tiles.pdl, num_warps=tiles.warps, **launch_options(tiles.pdl),
         **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}),
     )
     if one_launch:
