@@ -38,7 +38,7 @@ from ninfer.plugins.qwen3_5.synthetic import random_runtime
 PRESET = "qwen3.6-35b-a3b"
 DEFAULT_TILES = moe_persistent.default_tiles
 VARIANTS = [  # changes of the persistent kernel's tiles, each on top of the default
-    {}, dict(gate_up_rows=8),
+    {}, dict(gate_up_rows=2), dict(warps=16, programs_per_sm=1, max_registers=None, down_rows=8),
 ]
 
 

@@ -154,8 +154,7 @@ def _router_phase(
     BLOCK_H: tl.constexpr,
 ):
     """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``), rounded as activations; with
-    ``write_out`` the new residual stream and the normed row are stored for the expert phases. Returns the block's
-    input row ``[BLOCK_H]`` in fp32 (the normed row, as rounded)."""
+    ``write_out`` the new residual stream and the normed row are stored for the expert phases."""
     cols = tl.arange(0, BLOCK_H)
     t = tl.arange(0, 1)
     mask = (cols < hidden)[None, :]
@@ -172,7 +171,6 @@ def _router_phase(
         normed = x
     logits = accumulate(tl.zeros((1, ROWS), tl.float32), normed, router_tile, 1)
     tl.store(logits_ptr + rows[None, :], logits.to(x.dtype).to(tl.float32), mask=row_valid[None, :])
-    return tl.sum(normed.to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -286,34 +284,24 @@ def _persistent_moe_kernel(
     gate_up_units = shared_units + TOP_K * expert_units
     down_units = tl.cdiv(hidden, DOWN_ROWS)
     _stamp(trace_ptr, 0, TRACE)
-    # before the predecessor wait: the router rows and, below shared_units, the program's shared-expert unit
+    # before the predecessor wait: the router rows and the first unit's tiles if it is the shared expert's
     if PHASE <= 0:
         rows = pid * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
         row_valid = rows < num_experts + 1
         w_rows = tl.where(rows < num_experts, router_ptr + rows.to(tl.int64) * hidden, expert_gate_ptr)
         router_tile = weight_tile(w_rows, row_valid, 0, hidden, BLOCK_H)
-        no_experts = tl.zeros((TOP_K_PAD,), tl.int32)  # the shared expert's units need no routing
+    if PHASE == -1 or PHASE == 1:
         gate_tile, up_tile = _gate_up_tiles(
-            pid, 0, shared_units, no_experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
-            shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
+            pid, 0, shared_units, tl.zeros((TOP_K_PAD,), tl.int32), gate_up_ptr, shared_gate_up_ptr, hidden, inner,
+            shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
         )
     after_predecessor(PDL)
     _stamp(trace_ptr, 1, TRACE)
     if PHASE <= 0:
-        x = _router_phase(
+        _router_phase(
             router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr,
             logits_ptr, hidden, eps, pid == 0, NORM, HAS_PENDING, ROUTER_ROWS, BLOCK_H,
         )
-        for unit in range(pid, shared_units, programs):  # while the router's other programs finish
-            if unit != pid:
-                gate_tile, up_tile = _gate_up_tiles(
-                    unit, 0, shared_units, no_experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
-                    shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
-                )
-            _gate_up_store(
-                gate_tile, up_tile, x, unit, no_experts, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride, hidden,
-                inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS,
-            )
     _stamp(trace_ptr, 2, TRACE)
     if PHASE == -1:
         _grid_barrier(counter_ptr, programs)
@@ -321,18 +309,19 @@ def _persistent_moe_kernel(
     if PHASE != 0:
         experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E)
     _stamp(trace_ptr, 4, TRACE)
-    if PHASE == 1:  # its own launch: the block's input row as phase 0 left it
+    if PHASE == -1 or PHASE == 1:  # each unit's successor loads while it computes
+        routed_gate, routed_up = _gate_up_tiles(
+            pid, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+            shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
+        )
+        gate_tile += routed_gate
+        up_tile += routed_up
         cols = tl.arange(0, BLOCK_H)
         x_ptr = normed_ptr if NORM else hidden_ptr
         x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if PHASE == -1 or PHASE == 1:  # the selected experts' units; each unit's successor loads while it computes
-        gate_tile, up_tile = _gate_up_tiles(
-            shared_units + pid, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
-            shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
-        )
-        for unit in range(shared_units + pid, gate_up_units, programs):
+        for unit in range(pid, gate_up_units, programs):
             next_gate, next_up = _gate_up_tiles(
-                unit + programs, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
+                unit + programs, 0, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
                 shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
             )
             _gate_up_store(
