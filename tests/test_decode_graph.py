@@ -6,6 +6,7 @@ Runs on CUDA (graphs on and off); without a GPU it runs the eager fused path in 
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from kernel_support import rel_err
@@ -23,6 +24,7 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 if not triton_available(DEVICE):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
+from ninfer.kernels.triton import moe_persistent  # noqa: E402
 from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner, segment_bounds  # noqa: E402
 from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 
@@ -124,6 +126,27 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
         assert len(graphs._graphs) == 3  # one per batch size, replayed on the later steps
         for replay_ssm, eager_ssm in zip(graph_caches.state.ssm, ours.state.ssm):
             assert rel_err(replay_ssm, eager_ssm) < 1e-6
+
+
+@pytest.mark.skipif(not CUDA, reason="the persistent MoE block's residency check needs a GPU")
+def test_a_persistent_moe_grid_the_device_cannot_hold_falls_back_to_the_grouped_kernels(monkeypatch, caplog):
+    torch.manual_seed(0)
+    reference, model, fused = _runtimes("tiny-moe")
+    vocab = model.config.vocab_size
+    caches = Caches(reference, 1)
+    with torch.no_grad():
+        reference.forward(caches.batch([0], [torch.randint(0, vocab, (9,)).tolist()]), caches.kv, caches.state)
+    theirs = caches.clone()
+    tiles = attrs.evolve(moe_persistent.default_tiles("cuda"), programs_per_sm=64)  # more than any SM holds
+    monkeypatch.setattr(moe_persistent, "default_tiles", lambda device="cpu": tiles)
+    runner = DecodeGraphRunner(model, fused, use_graphs=True)
+    grouped = DecodeGraphRunner(model, fused, use_graphs=True, persistent_moe=False)
+    for _ in range(3):
+        token = [[int(torch.randint(0, vocab, ()))]]
+        got = runner.forward(caches.batch([0], token), caches.kv, caches.state)
+        expected = grouped.forward(theirs.batch([0], token), theirs.kv, theirs.state)
+        assert torch.equal(got.logits, expected.logits)
+    assert not runner.persistent_moe and "grouped kernels run instead" in caplog.text
 
 
 def test_graph_segments_grow_from_one_layer_and_cover_every_layer_once():

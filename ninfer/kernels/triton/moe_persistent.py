@@ -52,6 +52,10 @@ TRACE_SLOTS = 16  # int64 clock stamps per program with ``trace`` (``TRACE_POINT
 TRACE_POINTS = ("start", "waited", "routed_rows", "barrier_1", "routing", "gate_up", "down_issued", "barrier_2", "end")
 
 
+class NotResidentError(ValueError):
+    """The grid does not fit the SMs all at once, so its grid barriers would never open."""
+
+
 @attrs.frozen
 class PersistentTiles:
     """Launch shape of the persistent MoE kernel. A unit's tiles are whole weight rows held in registers, so the row
@@ -380,7 +384,9 @@ def _check_resident(programs: int, args: tuple, constants: dict, warps: int, dev
         compiled = _persistent_moe_kernel.warmup(*args, PHASE=-1, grid=(programs,), **constants)
         _RESIDENT[key] = resident_programs(compiled, warps, device)
     if programs > _RESIDENT[key]:
-        raise ValueError(f"one_launch needs every program resident: at most {_RESIDENT[key]} programs, got {programs}")
+        raise NotResidentError(
+            f"one_launch needs every program resident: at most {_RESIDENT[key]} programs, got {programs}"
+        )
 
 
 def _rows_within(rows: int, elements_per_row: int, budget: int) -> int:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import logging
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
-from ninfer.kernels.triton.moe_persistent import persistent_moe_decode
+from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_moe_decode
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
@@ -48,6 +50,8 @@ from ninfer.plugins.qwen3_5.layers import (
     MoEWeights,
 )
 from ninfer.plugins.qwen3_5.model import Qwen35Model
+
+log = logging.getLogger("ninfer.decode")
 
 MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from here
 SEGMENT_GROWTH = 4  # each graph segment of a step holds this many times the layers of the one before
@@ -414,8 +418,9 @@ class DecodeGraphRunner:
         mlp = layer.mlp
         if isinstance(mlp, DenseMLPWeights):
             return self._down_projection(F.linear(normed, fused.ffn_in), mlp.down_proj)
-        if self._persistent_moe(normed.shape[0]):
-            return persistent_moe_decode(normed, None, None, 0.0, **self._grouped_moe_weights(mlp, fused))[0]
+        persistent = self._persistent_moe_block(normed, None, None, 0.0, mlp, fused)
+        if persistent is not None:
+            return persistent[0]
         if self._grouped_moe(normed.shape[0]):
             return grouped_moe_decode(normed, **self._grouped_moe_weights(mlp, fused))
         return self._routed_experts(mlp, normed, F.linear(normed, fused.ffn_in))
@@ -428,9 +433,9 @@ class DecodeGraphRunner:
         if isinstance(mlp, DenseMLPWeights):
             hidden, gate_up, _ = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps)
             return hidden, self._down_projection(gate_up, mlp.down_proj)
-        if self._persistent_moe(hidden.shape[0]):
-            out, hidden, _ = persistent_moe_decode(hidden, pending, norm, eps, **self._grouped_moe_weights(mlp, fused))
-            return hidden, out
+        persistent = self._persistent_moe_block(hidden, pending, norm, eps, mlp, fused)
+        if persistent is not None:
+            return persistent[1], persistent[0]
         if self._grouped_moe(hidden.shape[0]):
             weights = self._grouped_moe_weights(mlp, fused)
             out, hidden = grouped_moe_decode_add_norm(hidden, pending, norm, eps, **weights)
@@ -438,8 +443,29 @@ class DecodeGraphRunner:
         hidden, entry, normed = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps, keep_normed=True)
         return hidden, self._routed_experts(mlp, normed, entry)  # type: ignore[arg-type]
 
-    def _persistent_moe(self, rows: int) -> bool:
-        return rows == 1 and self.persistent_moe
+    def _persistent_moe_block(
+        self,
+        hidden: torch.Tensor,
+        pending: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        eps: float,
+        mlp: MoEWeights,
+        fused: FusedProjections,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(block output, new hidden)`` of a one-row MoE block from ``persistent_moe_decode``, or None when the
+        batch has more rows or the device cannot hold its grid at once (the runner then keeps the grouped kernels;
+        that is found at the first, eager, step)."""
+        if hidden.shape[0] != 1 or not self.persistent_moe:
+            return None
+        try:
+            out, new_hidden, _ = persistent_moe_decode(
+                hidden, pending, norm, eps, **self._grouped_moe_weights(mlp, fused)
+            )
+        except NotResidentError as exc:
+            log.warning("the persistent MoE block does not fit this device (%s): the grouped kernels run instead", exc)
+            self.persistent_moe = False
+            return None
+        return out, new_hidden
 
     def _grouped_moe(self, rows: int) -> bool:
         return rows <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS)
