@@ -13,8 +13,9 @@ graph before it (each step waits for its token on the host, so nothing else hide
 
 For batches of at most ``norm_gemv_rows`` rows the norms fold into the GEMVs that read them (``norm_gemv``): the
 input add+RMSNorm into the mixer's input projection, the Gated DeltaNet output norm into its out projection, and
-(``norm_gemv_ffn``) the post-attention add+RMSNorm into the FFN entry (the MoE router launch, or the dense / MoE
-entry GEMV), so a layer runs without a separate norm launch.
+(``norm_gemv_ffn``) the post-attention add+RMSNorm into the FFN entry (the MoE block's router: the persistent
+kernel's first phase or the grouped router launch; or the dense / MoE entry GEMV), so a layer runs without a separate
+norm launch.
 """
 
 from __future__ import annotations
