@@ -128,6 +128,33 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
             assert rel_err(replay_ssm, eager_ssm) < 1e-6
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_a_state_update_mask_keeps_masked_rows_states_and_changes_no_output(preset):
+    """A masked row's slot goes to the recurrent kernels as ``-1 - s``: read, not written (graphs replay it)."""
+    torch.manual_seed(0)
+    reference, model, fused = _runtimes(preset)
+    vocab = model.config.vocab_size
+    caches = Caches(reference, 2)
+    with torch.no_grad():
+        reference.forward(caches.batch([0, 1], [torch.randint(0, vocab, (n,)).tolist() for n in (7, 12)]),
+                          caches.kv, caches.state)
+    masked, plain = caches.clone(), caches.clone()
+    runner = DecodeGraphRunner(model, fused, use_graphs=CUDA)
+    for step in range(3):  # the first step of the batch size runs eagerly (and captures), the last replays
+        tokens = [[int(t)] for t in torch.randint(0, vocab, (2,))]
+        last = step == 2
+        batch = masked.batch([0, 1], tokens)
+        batch.state_update_mask = torch.tensor([not last, True], device=DEVICE)
+        before = [t.clone() for t in (*masked.state.conv, *masked.state.ssm)]
+        got = runner.forward(batch, masked.kv, masked.state)
+        expected = runner.forward(plain.batch([0, 1], tokens), plain.kv, plain.state)
+        assert torch.equal(got.logits, expected.logits), step
+    states = zip((*masked.state.conv, *masked.state.ssm), (*plain.state.conv, *plain.state.ssm), before)
+    for ours, theirs, old in states:
+        slot_0, slot_1 = caches.slots.tolist()
+        assert torch.equal(ours[slot_1], theirs[slot_1]) and torch.equal(ours[slot_0], old[slot_0])
+
+
 @pytest.mark.skipif(not CUDA, reason="the persistent MoE block's residency check needs a GPU")
 def test_a_persistent_moe_grid_the_device_cannot_hold_falls_back_to_the_grouped_kernels(monkeypatch, caplog):
     torch.manual_seed(0)

@@ -58,6 +58,7 @@ class RuntimeSpec:
     dtype: torch.dtype
     device: torch.device
     max_position_embeddings: int
+    state_update_mask: bool = False  # forward() honours ForwardBatch.state_update_mask (one-token decode batches)
 
     def kv_bytes_per_token(self, bytes_per_element: float | None = None) -> float:
         per_element = self.dtype.itemsize if bytes_per_element is None else bytes_per_element
@@ -147,6 +148,10 @@ class ForwardBatch:
     capture_states: bool = False  # also return the recurrent state after every new token (verify)
     return_hidden: bool = False  # also return final-normed hidden states (MTP drafting)
     capture_layers: tuple[int, ...] = ()  # also return these decoder layers' outputs per token (DFlash drafting)
+    # [R] bool, on any device: the rows whose recurrent state this one-token-per-row forward updates (None: every
+    # row); a masked row's outputs are computed and its KV written past its frontier, its state slot is untouched.
+    # Only runtimes whose spec says ``state_update_mask`` take it.
+    state_update_mask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

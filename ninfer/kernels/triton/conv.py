@@ -37,7 +37,9 @@ def _conv_update_kernel(
     row = tl.program_id(0).to(tl.int64)
     chans = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = chans < channels
-    slot = tl.load(slots_ptr + row).to(tl.int64)
+    raw_slot = tl.load(slots_ptr + row).to(tl.int64)
+    update = raw_slot >= 0  # a negative slot -1 - s reads slot s and leaves its window as it is
+    slot = tl.where(update, raw_slot, -1 - raw_slot)
     window_ptr = cache_ptr + slot * cache_slot_stride + chans * WINDOW
     taps_ptr = weight_ptr + chans * (WINDOW + 1)
     pasts = ()
@@ -52,8 +54,8 @@ def _conv_update_kernel(
     for j in tl.static_range(WINDOW):
         acc += pasts[j].to(tl.float32) * taps[j]
         if j > 0:
-            tl.store(window_ptr + (j - 1), pasts[j], mask=mask)
-    tl.store(window_ptr + (WINDOW - 1), x.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(window_ptr + (j - 1), pasts[j], mask=mask & update)
+    tl.store(window_ptr + (WINDOW - 1), x.to(cache_ptr.dtype.element_ty), mask=mask & update)
     tl.store(out_ptr + row * channels + chans, (acc * tl.sigmoid(acc)).to(x.dtype), mask=mask)
 
 
@@ -77,7 +79,8 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """One token per row: ``x [B, C]`` (contiguous rows), ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [B]``.
 
-    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place. ``pdl``: programmatic dependent
+    Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place; a negative slot ``-1 - s`` reads
+    slot ``s`` and leaves its window as it is (``ForwardBatch.state_update_mask``). ``pdl``: programmatic dependent
     launch (None: wherever the device has it); then the kernel immediately before this one in the stream must not
     write ``weight``, ``conv_cache`` or ``slots``.
     """

@@ -60,7 +60,9 @@ def _gated_delta_kernel(
     row = (pid // VALUE_HEADS).to(tl.int64)
     head = pid % VALUE_HEADS
     key_head = head // (VALUE_HEADS // KEY_HEADS)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
+    raw_slot = tl.load(slots_ptr + row).to(tl.int64)
+    update = raw_slot >= 0  # a negative slot -1 - s reads slot s and leaves its state as it is
+    slot = tl.where(update, raw_slot, -1 - raw_slot)
     dk = tl.arange(0, DK)
     dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     tile = dk[:, None] * DV + dv[None, :]
@@ -94,7 +96,7 @@ def _gated_delta_kernel(
         tl.store(out_ptr + (token * VALUE_HEADS + head) * DV + dv, o.to(v_raw.dtype))
         if STORE_STATES:
             tl.store(states_out_ptr + (token * VALUE_HEADS + head) * (DK * DV) + tile, state)
-    tl.store(state_base + tile, state)
+    tl.store(state_base + tile, state, mask=(tile >= 0) & update)
 
 
 def fused_recurrent_gated_delta(
@@ -120,7 +122,8 @@ def fused_recurrent_gated_delta(
     """Run ``tokens_per_row`` tokens of every row through the gated delta rule, updating ``ssm_cache`` in place.
 
     ``qkv [N, 2*Hk*Dk + Hv*Dv]`` is the conv output (q | k | v, N = rows * tokens_per_row, a row's tokens
-    consecutive); ``a, b [N, Hv]`` the raw gate projections; ``ssm_cache [S, Hv, Dk, Dv]`` fp32; ``slots [rows]``.
+    consecutive); ``a, b [N, Hv]`` the raw gate projections; ``ssm_cache [S, Hv, Dk, Dv]`` fp32; ``slots [rows]`` (a
+    negative slot ``-1 - s`` reads slot ``s`` and leaves it as it is: ``ForwardBatch.state_update_mask``).
     With ``z [N, Hv*Dv]`` and ``norm_weight [Dv]`` the output is ``rms_norm(o) * w * silu(z)``, else ``o``.
     ``value_split`` programs share each head's value columns (it must divide Dv into powers of two).
     Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``. ``states_out`` (a contiguous

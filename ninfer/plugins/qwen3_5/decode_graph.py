@@ -96,7 +96,9 @@ class DecodeInputs:
         """Stage one batch and copy it to the device buffer without a host sync.
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
-        one asynchronous transfer; fields already on the device are copied device to device after it.
+        one asynchronous transfer; fields already on the device are copied device to device after it. A
+        ``state_update_mask`` turns each masked row's slot ``s`` into ``-1 - s``, which the recurrent kernels read
+        from and do not write.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the staging buffer
@@ -120,6 +122,10 @@ class DecodeInputs:
             self._copied.record()
         for device_view, source in on_device:
             device_view.copy_(source)
+        mask = batch.state_update_mask
+        if mask is not None:  # a masked row's slot s goes to the kernels as -1 - s: read, not written
+            slots = self.state_slots
+            slots.copy_(torch.where(mask.to(slots.device), slots, -1 - slots))
 
 
 @attrs.define

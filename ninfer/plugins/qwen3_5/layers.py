@@ -41,12 +41,14 @@ class RowGroup:
     """Rows with the same number of new tokens: ``token_index [B, L]`` into the flat batch, ``slots [B]``.
 
     ``span``: ``(start, stop)`` when the group's tokens are one run of the flat batch in row order (consecutive
-    rows), so they are read and written as a slice instead of gathered by index.
+    rows), so they are read and written as a slice instead of gathered by index. ``updates [B]`` bool: the rows
+    whose state slot takes the new state (None: all; ``ForwardBatch.state_update_mask``).
     """
 
     token_index: torch.Tensor
     slots: torch.Tensor
     span: tuple[int, int] | None = None
+    updates: torch.Tensor | None = None
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The group's tokens of ``x [T, ...]`` as ``[B, L, ...]``: a view for a span, else a gathered copy."""
@@ -84,12 +86,14 @@ class BatchLayout:
         page_size: int,
         state_slots: torch.Tensor | None,
         device: torch.device,
+        state_update_mask: torch.Tensor | None = None,
     ) -> "BatchLayout":
         lens = [int(n) for n in query_lens]
         starts = list(itertools.accumulate(lens, initial=0))[:-1]
         groups = []
         if state_slots is not None:
             slots = state_slots.to(device=device, dtype=torch.int64)
+            updates = None if state_update_mask is None else state_update_mask.to(device)
             for length in sorted(set(lens)):
                 members = [row for row, n in enumerate(lens) if n == length]
                 rows = torch.tensor(members, device=device)
@@ -97,7 +101,7 @@ class BatchLayout:
                 index = first[:, None] + torch.arange(length, device=device)[None, :]
                 consecutive = members == list(range(members[0], members[-1] + 1))
                 span = (starts[members[0]], starts[members[0]] + len(members) * length) if consecutive else None
-                groups.append(RowGroup(index, slots[rows], span))
+                groups.append(RowGroup(index, slots[rows], span, None if updates is None else updates[rows]))
         page_tables = page_tables.to(device)
         return cls(
             query_lens=tuple(lens),
@@ -289,7 +293,11 @@ def _recurrent_group(
         )
     else:
         out, final = prefill_gated_delta_rule(q, k, v, group.take(decay), group.take(beta), initial)
-    conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
+    conv_state = conv_state.to(conv_cache.dtype)
+    if group.updates is not None:  # masked rows keep their slot's state
+        conv_state = torch.where(group.updates[:, None, None], conv_state, conv_cache[slots])
+        final = torch.where(group.updates[:, None, None, None], final, ssm_cache[slots])
+    conv_cache.index_copy_(0, slots, conv_state)
     ssm_cache.index_copy_(0, slots, final)
     if capture is not None:
         group.put(capture.conv, conv_states.to(capture.conv.dtype))

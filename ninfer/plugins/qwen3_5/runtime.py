@@ -52,6 +52,7 @@ def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.dev
         dtype=dtype,
         device=device,
         max_position_embeddings=config.max_position_embeddings,
+        state_update_mask=True,
     )
 
 
@@ -93,7 +94,8 @@ class Qwen35Runtime:
         device = self.model.device
         token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)  # host batches move once
         layout = BatchLayout.build(
-            batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device
+            batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device,
+            batch.state_update_mask,
         )
         layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
@@ -122,7 +124,14 @@ class Qwen35Runtime:
         rows = batch.num_rows
         if tuple(batch.state_slots.shape) != (rows,):
             raise ForwardBatchError(f"state_slots must be [{rows}]; got {tuple(batch.state_slots.shape)}")
-        slots, low, high = _slots_and_token_range(batch.state_slots, batch.token_ids)
+        mask = batch.state_update_mask
+        if mask is not None:
+            if mask.dtype != torch.bool or tuple(mask.shape) != (rows,) or any(n != 1 for n in batch.query_lens):
+                raise ForwardBatchError(f"state_update_mask must be a bool [{rows}] of a one-token-per-row batch")
+            # the ids of a masked batch are a sampler's, fed back on the device: checking them would read them back
+            slots, low, high = batch.state_slots.tolist(), 0, 0
+        else:
+            slots, low, high = _slots_and_token_range(batch.state_slots, batch.token_ids)
         if len(set(slots)) != rows or min(slots) < 0 or max(slots) >= state.num_slots:
             raise ForwardBatchError(f"state_slots {slots} must be distinct slots in [0, {state.num_slots})")
         if len(kv.key) != len(self.spec.attention_layers) or len(state.ssm) != len(self.spec.recurrent_layers):
