@@ -13,6 +13,7 @@ from ninfer import LLM, SamplingParams
 from ninfer.bench import bench_command
 from ninfer.core.artifact import open_model_source
 from ninfer.core.engine import Engine, EngineConfig, GenerationRequest
+from ninfer.core.engine.request import BudgetClose
 from ninfer.core.engine.loader import artifact_tokenizer, eos_token_ids
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import LoadOptions
@@ -87,6 +88,49 @@ def test_prefix_reuse_does_not_change_outputs(tiny):
     assert extended.cached_tokens == len(prompt) + 7
     assert extended.output_token_ids == cold_follow_up.output_token_ids
     assert cold.cached_tokens == cold_follow_up.cached_tokens == first.cached_tokens == 0
+
+
+def _overlap_scenario(tiny, overlap: bool) -> tuple[list, int]:
+    """Requests whose every ending and insert the overlapped decode must get right: (outputs and cached tokens of
+    each, forwards launched ahead)."""
+    runtime = RecordingRuntime(tiny[1])
+    prompt = prompts_of([30], seed=11)[0]
+    results = []
+    with make_engine(tiny, runtime, page_size=8, overlap_decode=overlap) as engine:
+        first = engine.submit(greedy(prompt, 10)).result(60)
+        stop_id = first.output_token_ids[4]
+        stopped = engine.submit(greedy(prompt, 10, stop_token_ids=(stop_id,))).result(60)
+        follow_up = prompt + list(stopped.output_token_ids) + prompts_of([4], seed=12)[0]
+        resumed = engine.submit(greedy(follow_up, 6)).result(60)  # from the stopped request's endpoint
+        policy = BudgetClose(limit=3, close_token_id=first.output_token_ids[-1], insert_token_ids=(11, 12))
+        closed = engine.submit(GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=8),
+                                                 budget_close=policy)).result(60)
+        extra = prompts_of([3], seed=14)[0]
+        after_first = engine.submit(greedy(prompt + list(first.output_token_ids) + extra, 4)).result(60)
+        after_closed = engine.submit(greedy(prompt + list(closed.output_token_ids) + extra, 4)).result(60)
+        sampled = engine.submit(GenerationRequest(prompt, SamplingParams(
+            temperature=0.9, seed=5, presence_penalty=0.7, frequency_penalty=0.3, max_tokens=10))).result(60)
+        with_stop_string = engine.submit(greedy(prompt, 6, stop=("zzzz",))).result(60)
+        batch = [engine.submit(greedy(p, 9)) for p in prompts_of([5, 17, 8], seed=13)]
+        batched = [handle.result(60) for handle in batch]
+        for outcome in (first, stopped, resumed, closed, after_first, after_closed, sampled, with_stop_string,
+                        *batched):
+            results.append((outcome.output_token_ids, outcome.cached_tokens, outcome.finish_reason))
+    return results, runtime.ahead
+
+
+def test_overlapped_decode_gives_the_same_tokens_endings_and_checkpoints(tiny):
+    """Launching each round's forward before its tokens reach the host changes nothing a client or the prefix
+    cache sees: a row ending on a stop id keeps the frontier before it (its state was not updated ahead)."""
+    plain, plain_ahead = _overlap_scenario(tiny, overlap=False)
+    overlapped, ahead = _overlap_scenario(tiny, overlap=True)
+    assert overlapped == plain
+    assert plain_ahead == 0 and ahead > 20
+    stopped, resumed = plain[1], plain[2]
+    assert stopped[2] == "stop" and resumed[1] == 30 + len(stopped[0]) - 1
+    closed = plain[3]
+    assert closed[0][3:5] == (11, 12)  # the close sequence, inserted after the third token
+    assert plain[4][1] == 30 + 10 - 1 and plain[5][1] == 30 + 8 - 1  # the endpoints end before the last token
 
 
 def test_prefill_chunk_size_does_not_change_outputs(tiny):

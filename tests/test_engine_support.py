@@ -214,13 +214,16 @@ def idle(engine) -> bool:
 
 
 class RecordingRuntime:
-    """Wraps a runtime and records the rows (query lengths) of every forward."""
+    """Wraps a runtime and records the rows (query lengths) of every forward, and counts the forwards launched
+    ahead (those with a ``state_update_mask``)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.spec = inner.spec
         self.calls: list[list[int]] = []
+        self.ahead = 0
 
     def forward(self, batch, kv, state):
         self.calls.append(list(batch.query_lens))
+        self.ahead += batch.state_update_mask is not None
         return self.inner.forward(batch, kv, state)

@@ -47,3 +47,20 @@ def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags:
         logits=logits,  # type: ignore[arg-type]
         **flags,
     )
+
+
+def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, update: torch.Tensor) -> ForwardBatch:
+    """One token per row, ``token_ids [R]`` (on any device: the runtime copies device fields on the device), at
+    position ``len(seq.tokens)``: each row fed the token it is about to commit; ``update [R]`` bool: the rows whose
+    recurrent state takes it (``ForwardBatch.state_update_mask``)."""
+    lengths = [len(seq.tokens) for seq in rows]
+    return ForwardBatch(
+        token_ids=token_ids,
+        positions=text_positions(lengths),
+        query_lens=[1] * len(rows),
+        context_lens=lengths,
+        page_tables=page_table(rows),
+        state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64),
+        logits="last",
+        state_update_mask=update,
+    )

@@ -19,16 +19,20 @@ import threading
 import time
 from typing import Any, Callable
 
-from ninfer.core.engine.batching import build_batch
+import attrs
+import torch
+
+from ninfer.core.engine.batching import build_ahead_batch, build_batch
 from ninfer.core.engine.commit import Finish, commit_timed
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
 from ninfer.core.engine.memory import EngineMemory
 from ninfer.core.engine.request import AdmittedEvent, ProgressEvent
-from ninfer.core.engine.sampler import sample_tokens
+from ninfer.core.engine.sampler import sample_token_ids, sample_tokens
 from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Drafter, SpeculativeRound, capture_layers, observed_features
+from ninfer.core.engine.transfer import to_device
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.runtime import ModelRuntime
 
@@ -39,6 +43,29 @@ _IDLE_WAIT_S = 1.0
 
 class _Stop:
     """Inbox marker: finish the loop."""
+
+
+@attrs.frozen
+class AheadRound:
+    """A decode forward launched before the previous round's tokens reached the host: row ``i`` of ``logits``
+    follows ``rows[i]``'s tokens as long as the row has fed every token it holds."""
+
+    rows: tuple[Sequence, ...]
+    logits: torch.Tensor
+
+    def logits_of(self, rows: list[Sequence]) -> dict[Sequence, torch.Tensor]:
+        """The rows of ``rows`` whose logits here still hold."""
+        index = {seq: i for i, seq in enumerate(self.rows)}
+        return {
+            seq: self.logits[index[seq]]
+            for seq in rows
+            if seq in index and seq.fed == len(seq.tokens) and seq.last_logits_at == seq.fed
+        }
+
+
+def _ends_at_limit(seq: Sequence) -> bool:
+    """Whether committing the next token ends ``seq`` at its output limit, whatever the token is."""
+    return seq.output_count + 1 >= seq.max_output
 
 
 class _Call:
@@ -80,6 +107,7 @@ class Executor:
         self.host_work = HostWorkTotals.zero()  # the worker totals, published at the end of every iteration
         self.drafter = drafter
         self._speculative: SpeculativeRound | None = None
+        self._ahead: AheadRound | None = None  # the decode forward launched before the last round's commits
         if drafter is not None:
             memory.companions.extend(drafter.bind(memory.num_pages, memory.page_size))
             self._speculative = SpeculativeRound(
@@ -139,6 +167,7 @@ class Executor:
                 self._boundary()
                 step = self.scheduler.next_step()
                 if step is None:
+                    self._ahead = None  # every row it ran has finished
                     timeout = self._idle_timeout()
                     self._publish()
                     clock.idle()
@@ -334,21 +363,104 @@ class Executor:
             for seq, finish in self._speculative.run(rows, time.monotonic):
                 self._finish(seq, finish)
             return
-        feeds = [seq.tokens[seq.fed :] for seq in rows]
-        for seq in rows:
-            self.memory.ensure_pages(seq, len(seq.tokens))
-        batch = build_batch(rows, feeds, logits="last")
-        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
-        output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
-        clock.await_device(self._device, WorkClass.DECODE)
+        overlap = self._may_overlap(rows)
+        logits = self._round_logits(rows, wait=not overlap)
+        if not overlap:
+            tokens = sample_tokens(logits, [seq.sampler for seq in rows], self._vocab_limit)
+            now = time.monotonic()
+            for seq, token in zip(rows, tokens):
+                self._commit(seq, token, now, WorkClass.DECODE)
+            return
+        tokens, fed_ahead = self._sample_and_run_ahead(rows, logits)
+        now = time.monotonic()
+        for index, (seq, token) in enumerate(zip(rows, tokens)):
+            finish = commit_timed(self.clock, seq, token, now, WorkClass.DECODE)
+            if finish is not None and fed_ahead[index] and token in seq.stop_token_ids:
+                # the forward ahead did not update the row's state for its stop token (the device saw it)
+                seq.fed = len(seq.tokens) - 1
+                seq.last_logits, seq.last_logits_at = logits[index], seq.fed
+            if finish is not None:
+                self._finish(seq, finish)
+
+    def _may_overlap(self, rows: list[Sequence]) -> bool:
+        """Whether this round launches the next one before its tokens reach the host (``overlap_decode``): only
+        while nothing but the decode batch waits for the device (no queued or prefilling request, nothing in the
+        inbox) and no row has stop strings (found only on the host, after the forward ahead has fed the token)."""
+        scheduler = self.scheduler
+        return (
+            self.config.overlap_decode and self.runtime.spec.state_update_mask
+            and not (scheduler.waiting or scheduler.prefilling or not self._inbox.empty())
+            and not any(seq.request.sampling.stop for seq in rows)
+        )
+
+    def _round_logits(self, rows: list[Sequence], wait: bool) -> Any:
+        """The rows' next-token logits ``[R, V]``: the forward launched ahead last round where it still holds (the
+        row has fed every token it holds), one forward over the tokens each other row has not fed yet; ``wait``:
+        block on the device after that forward (else the caller waits only for what it needs)."""
+        clock = self.clock
+        ahead, self._ahead = self._ahead, None
+        ready = {} if ahead is None else ahead.logits_of(rows)
+        behind = [seq for seq in rows if seq not in ready]
+        output = None
+        if behind:
+            for seq in behind:
+                self.memory.ensure_pages(seq, len(seq.tokens))
+            batch = build_batch(behind, [seq.tokens[seq.fed :] for seq in behind], logits="last")
+            clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+            output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
+        if wait:
+            clock.await_device(self._device, WorkClass.DECODE)
         clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
-        for index, seq in enumerate(rows):
+        if output is None:
+            assert ahead is not None
+            return ahead.logits if ahead.rows == tuple(rows) else torch.stack([ready[seq] for seq in rows])
+        for index, seq in enumerate(behind):
             seq.fed = len(seq.tokens)
             seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
-        tokens = sample_tokens(output.logits, [seq.sampler for seq in rows], self._vocab_limit)
-        now = time.monotonic()
-        for seq, token in zip(rows, tokens):
-            self._commit(seq, token, now, WorkClass.DECODE)
+            ready[seq] = output.logits[index]
+        return output.logits if len(behind) == len(rows) else torch.stack([ready[seq] for seq in rows])
+
+    def _sample_and_run_ahead(self, rows: list[Sequence], logits: Any) -> tuple[list[int], list[bool]]:
+        """Sample on the device, launch the next round's forward on those ids (each row fed the token it is about
+        to commit), then wait only for the ids' copy to the host: the device runs that forward meanwhile.
+
+        The forward updates a row's state only if the row goes on after this token, so a finished row's endpoint
+        checkpoint ends before its last token as without overlap: not where the host knows it ends (the output
+        limit), not where the device sees one of the row's stop ids. Returns the tokens and, per row, whether the
+        forward could feed its token (then ``seq.fed`` counts it and ``last_logits`` are the forward's; a row that
+        takes engine-inserted tokens after it feeds those next round)."""
+        clock = self.clock
+        ids = sample_token_ids(logits, [seq.sampler for seq in rows], self._vocab_limit)
+        copied = None
+        if ids.device.type == "cuda":
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host_ids = ids
+        feeds = [not _ends_at_limit(seq) for seq in rows]
+        width = max(len(seq.stop_token_ids) for seq in rows) or 1
+        stops = torch.tensor(
+            [[*sorted(seq.stop_token_ids), *[-1] * (width - len(seq.stop_token_ids))] for seq in rows],
+            dtype=ids.dtype,
+        )
+        update = to_device(torch.tensor(feeds), ids.device) & ~(ids[:, None] == to_device(stops, ids.device)).any(1)
+        for seq in rows:
+            self.memory.ensure_pages(seq, len(seq.tokens) + 1)
+        batch = build_ahead_batch(rows, ids, update)
+        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+        output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
+        for index, seq in enumerate(rows):
+            if feeds[index]:
+                seq.fed = len(seq.tokens) + 1  # the token committed next
+                seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
+        self._ahead = AheadRound(tuple(rows), output.logits)
+        clock.switch(Phase.DEVICE_WAIT, WorkClass.DECODE)
+        if copied is not None:
+            copied.synchronize()
+        clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+        return host_ids.tolist(), feeds
 
     def _commit(self, seq: Sequence, token: int, now: float, work_class: int) -> None:
         """Commit one sampled token (``engine_commit_output``; control class when it triggered a control insert)."""

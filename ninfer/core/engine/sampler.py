@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ninfer.core.descriptors import SamplingPreset
+from ninfer.core.engine.transfer import to_device
 from ninfer.core.engine.request import INT64_MIN, SamplingParams
 from ninfer.kernels import sampling
 from ninfer.kernels.triton import triton_available
@@ -111,13 +112,18 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit:
     parameters and uniforms reach the logits' device in one small copy; CUDA logits are sampled by the Triton
     kernel when triton is available (the chosen ids are the only transfer back), anything else by the torch rule.
     """
+    return sample_token_ids(logits, rows, vocab_limit).tolist()
+
+
+def sample_token_ids(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit: int | None = None) -> torch.Tensor:
+    """:func:`sample_tokens` as int64 ids ``[R]`` on the logits' device (no transfer back, no host sync)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(
             f"logits must be [rows, vocab] with one row per sampler; got {tuple(logits.shape)} for {len(rows)} rows"
         )
-    table = parameter_table(rows, draw=True).to(logits.device)
+    table = to_device(parameter_table(rows, draw=True), logits.device)
     penalty = stacked_penalties(rows)
-    ids = _row_sampler(logits.device.type)(
+    return _row_sampler(logits.device.type)(
         logits,
         table[_TEMPERATURE],
         table[_TOP_K],
@@ -128,7 +134,6 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit:
         penalty_rows=None if penalty is None else table[_PENALTY_ROW],
         vocab_limit=vocab_limit,
     )
-    return ids.tolist()
 
 
 def parameter_table(rows: Sequence[RowSampler], draw: bool) -> torch.Tensor:
