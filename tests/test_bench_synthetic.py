@@ -1,18 +1,21 @@
-"""The synthetic benchmark on the CPU with the tiny preset: it runs end to end, its arithmetic is consistent, and
-ninfer's greedy tokens equal transformers' on the same (shared) fp32 weights."""
+"""The synthetic benchmark on the CPU with the tiny preset: it runs end to end, its arithmetic is consistent,
+ninfer's greedy tokens equal transformers' on the same (shared) fp32 weights, and its overlapped steps feed the same
+tokens."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from ninfer.bench import bench_command
-from ninfer.bench_synthetic import decode_bytes, run_synthetic_bench
+from ninfer.bench_synthetic import Clock, bench_ninfer_decode, decode_bytes, run_synthetic_bench
 from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.presets import preset_config, preset_names
+from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 
 def test_presets_parse_with_the_real_shapes():
@@ -53,6 +56,18 @@ def test_tiny_synthetic_bench_runs_and_agrees_with_transformers():
     agreement = result["greedy_agreement"]
     assert agreement["compared"] == 5 and agreement["matching_prefix"] == 5
     assert "decode rows" in lines[0]
+
+
+def test_overlapped_benchmark_steps_generate_the_same_tokens():
+    """Steps launched on the previous step's device-side ids (the engine's overlapped decode) feed the same tokens."""
+    prompts = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
+    tokens = []
+    for overlap in (False, True):
+        runtime = random_runtime("tiny", device=torch.device("cpu"), dtype=torch.float32)
+        elapsed, generated, _ = bench_ninfer_decode(runtime, prompts, 6, Clock(torch.device("cpu")), overlap=overlap)
+        assert elapsed > 0 and len(generated) == 1 + 8 + 6
+        tokens.append(generated)
+    assert tokens[0] == tokens[1]
 
 
 def test_bench_synthetic_cli_prints_json_and_rejects_bad_concurrency():
