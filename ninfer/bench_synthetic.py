@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ninfer.core.engine.transfer import HostCopy
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
@@ -160,25 +161,6 @@ class Rows:
         return output.logits.argmax(dim=-1)
 
 
-class _HostCopy:
-    """A device tensor copied to pinned host memory behind the work queued so far, without waiting for it."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._done = None
-        if tensor.device.type != "cuda":
-            self._host = tensor
-            return
-        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record()
-
-    def wait(self) -> torch.Tensor:
-        if self._done is not None:
-            self._done.synchronize()
-        return self._host
-
-
 def bench_ninfer_decode(
     runtime: Qwen35Runtime, prompts: torch.Tensor, steps: int, clock: Clock, warmup: int = 8, overlap: bool = False
 ) -> tuple[float, list[int], float | None]:
@@ -211,7 +193,7 @@ def bench_ninfer_decode(
         def run_overlapped() -> None:
             ids = holder["tokens"].to(runtime.model.device)
             for step in range(steps):
-                copy = _HostCopy(ids) if step else None  # the ids this step feeds reach the host while it runs
+                copy = HostCopy(ids) if step else None  # the ids this step feeds reach the host while it runs
                 following = rows.forward_ahead(ids)
                 if copy is not None:
                     generated.append(int(copy.wait()[0]))

@@ -32,7 +32,7 @@ from ninfer.core.engine.sampler import sample_token_ids, sample_tokens
 from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Drafter, SpeculativeRound, capture_layers, observed_features
-from ninfer.core.engine.transfer import to_device
+from ninfer.core.engine.transfer import HostCopy, to_device
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.runtime import ModelRuntime
 
@@ -411,14 +411,15 @@ class Executor:
         if wait:
             clock.await_device(self._device, WorkClass.DECODE)
         clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
-        if output is None:
-            assert ahead is not None
-            return ahead.logits if ahead.rows == tuple(rows) else torch.stack([ready[seq] for seq in rows])
         for index, seq in enumerate(behind):
             seq.fed = len(seq.tokens)
             seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
             ready[seq] = output.logits[index]
-        return output.logits if len(behind) == len(rows) else torch.stack([ready[seq] for seq in rows])
+        if output is not None and len(behind) == len(rows):
+            return output.logits
+        if ahead is not None and not behind and ahead.rows == tuple(rows):
+            return ahead.logits
+        return torch.stack([ready[seq] for seq in rows])
 
     def _sample_and_run_ahead(self, rows: list[Sequence], logits: Any) -> tuple[list[int], list[bool]]:
         """Sample on the device, launch the next round's forward on those ids (each row fed the token it is about
@@ -431,14 +432,7 @@ class Executor:
         takes engine-inserted tokens after it feeds those next round)."""
         clock = self.clock
         ids = sample_token_ids(logits, [seq.sampler for seq in rows], self._vocab_limit)
-        copied = None
-        if ids.device.type == "cuda":
-            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host_ids.copy_(ids, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host_ids = ids
+        host_ids = HostCopy(ids)  # queued before the forward below, so it does not wait for it
         feeds = [not _ends_at_limit(seq) for seq in rows]
         width = max(len(seq.stop_token_ids) for seq in rows) or 1
         stops = torch.tensor(
@@ -457,10 +451,9 @@ class Executor:
                 seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
         self._ahead = AheadRound(tuple(rows), output.logits)
         clock.switch(Phase.DEVICE_WAIT, WorkClass.DECODE)
-        if copied is not None:
-            copied.synchronize()
+        tokens = host_ids.wait().tolist()
         clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
-        return host_ids.tolist(), feeds
+        return tokens, feeds
 
     def _commit(self, seq: Sequence, token: int, now: float, work_class: int) -> None:
         """Commit one sampled token (``engine_commit_output``; control class when it triggered a control insert)."""
