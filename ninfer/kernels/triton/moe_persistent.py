@@ -42,6 +42,7 @@ from ninfer.kernels.triton.norm_gemv import (
     accumulate,
     after_predecessor,
     launch_options,
+    normed_product,
     pdl_supported,
     summed_tile,
     weight_tile,
@@ -163,17 +164,16 @@ def _router_phase(
     t = tl.arange(0, 1)
     mask = (cols < hidden)[None, :]
     x = summed_tile(hidden_ptr + t, pending_ptr + t, cols, mask, HAS_PENDING)  # [1, BLOCK_H]
-    if NORM:
+    logits = tl.zeros((1, ROWS), tl.float32)
+    if NORM:  # the norm_gemv step: norm the row, store the new residual stream and the normed row, multiply
         values = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(values * values, axis=1) / hidden + eps)
-        scale = tl.load(norm_weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + 1.0
-        normed = (values * rstd[:, None] * scale[None, :]).to(x.dtype)
-        if HAS_PENDING:
-            tl.store(hidden_out_ptr + t[:, None] + cols[None, :], x, mask=mask & write_out)
-        tl.store(normed_ptr + t[:, None] + cols[None, :], normed, mask=mask & write_out)
+        logits = normed_product(
+            logits, router_tile, x, cols, cols < hidden, mask, norm_weight_ptr, rstd, hidden_out_ptr + t,
+            normed_ptr + t, write_out, HAS_PENDING, True, 1,
+        )
     else:
-        normed = x
-    logits = accumulate(tl.zeros((1, ROWS), tl.float32), normed, router_tile, 1)
+        logits = accumulate(logits, x, router_tile, 1)
     tl.store(logits_ptr + rows[None, :], logits.to(x.dtype).to(tl.float32), mask=row_valid[None, :])
 
 

@@ -17,9 +17,9 @@ reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependen
 sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
 the weights stream while the previous kernel drains.
 
-The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``inverse_rms``,
-``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``, ``moe_persistent``), whose routers
-normalise their input the same way.
+The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``normed_product``,
+``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
+``moe_persistent``), whose routers normalise their input the same way.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def inverse_rms(
 
 
 @triton.jit
-def _normed_product(
+def normed_product(
     acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr,
 ):
@@ -165,7 +165,7 @@ def dot_normed_rows(
         w = tl.load(w_rows[:, None] + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)
         mask = token_valid[:, None] & col_valid[None, :]
         summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
-        acc = _normed_product(
+        acc = normed_product(
             acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
             HAS_PENDING, KEEP_NORMED, TOKENS,
         )
@@ -193,7 +193,7 @@ def dot_normed_rows_from(
     col_valid = cols < stop
     mask = token_valid[:, None] & col_valid[None, :]
     summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
-    acc = _normed_product(
+    acc = normed_product(
         tl.zeros((TOKENS, ROWS), tl.float32), first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd,
         hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
     )
@@ -232,7 +232,7 @@ def _add_norm_gemv_kernel(
     normed_out_rows = normed_out_ptr + t * width
     write_out = tl.program_id(0) == 0
     acc = tl.zeros((TOKENS, ROWS), tl.float32)
-    acc = _normed_product(
+    acc = normed_product(
         acc, first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows,
         write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
     )
