@@ -79,8 +79,9 @@ class EngineConfig:
     ``sampling_overrides`` are the process-level sampler flags (None values are unset);
     ``greedy`` forces temperature 0 for every request. ``overlap_decode``: while only the decode batch waits for
     the device and no row has stop strings, each round launches the next one's forward on the ids it sampled
-    before they reach the host, so the host's commit work overlaps device time (same tokens, same checkpoints; off
-    until it has run on the H200).
+    before they reach the host, so the host's commit work overlaps device time (same tokens, same checkpoints).
+    None (the default) turns it on where the runtime runs on CUDA; on the CPU the runtime is synchronous, so it
+    would only delay each token by one forward.
     """
 
     max_concurrency: int = attrs.field(default=1, validator=_concurrency)
@@ -97,7 +98,7 @@ class EngineConfig:
     default_max_tokens: int = attrs.field(default=8192, validator=_positive("default_max_tokens"))
     sampling_overrides: Mapping[str, Any] = attrs.field(factory=dict, validator=_overrides)
     greedy: bool = False
-    overlap_decode: bool = False
+    overlap_decode: bool | None = None
 
     @property
     def checkpoint_slots(self) -> int:

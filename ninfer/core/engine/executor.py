@@ -386,9 +386,11 @@ class Executor:
         """Whether this round launches the next one before its tokens reach the host (``overlap_decode``): only
         while nothing but the decode batch waits for the device (no queued or prefilling request, nothing in the
         inbox) and no row has stop strings (found only on the host, after the forward ahead has fed the token)."""
-        scheduler = self.scheduler
+        scheduler, overlap = self.scheduler, self.config.overlap_decode
+        if overlap is None:
+            overlap = self.runtime.spec.device.type == "cuda"
         return (
-            self.config.overlap_decode and self.runtime.spec.state_update_mask
+            overlap and self.runtime.spec.state_update_mask
             and not (scheduler.waiting or scheduler.prefilling or not self._inbox.empty())
             and not any(seq.request.sampling.stop for seq in rows)
         )
