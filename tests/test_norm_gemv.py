@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
+from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.norms import gated_rms_norm, rms_norm
 from ninfer.kernels.triton import triton_available
 
@@ -31,6 +32,7 @@ from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
     route_experts_add_norm,
 )
 from ninfer.kernels.triton.norm_gemv import (  # noqa: E402
+    ConvEpilogue,
     GemvTiles,
     add_norm_gemv,
     default_gated_tiles,
@@ -81,6 +83,63 @@ def test_add_norm_gemv_matches_twin(shape, tokens):
     assert rel_err(normed, ref_normed) < TOL
     assert projected.shape == (tokens, out_rows) and projected.dtype == DTYPE
     assert rel_err(projected, ref_projected) < TOL
+
+
+# (hidden, out rows, conv channels): the 35B-A3B GDN entry (q|k|v conv channels, then z, b, a); toy ones
+CONV_SHAPES = [(2048, 12352, 8192), (1000, 333, 200)] if CUDA else [(40, 37, 20), (64, 200, 64)]
+
+
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_add_norm_gemv_with_the_conv_epilogue_matches_projection_then_conv(shape, tokens):
+    """The first C projected columns come back as silu(conv) over each row's window (slots out of order), the
+    windows shift in place, a masked slot (-1 - s) reads its window and leaves it as it was; other columns and
+    slots are untouched. Oracle: the twin's projection, then the torch causal conv over [window | new column]."""
+    width, out_rows, channels = shape
+    taps = 4
+    hidden, pending = randn(tokens, width), randn(tokens, width)
+    norm_weight, weight = randn(width, scale=0.3), randn(out_rows, width, scale=0.05)
+    conv_weight = randn(channels, taps, scale=0.5)
+    cache = randn(tokens + 2, channels, taps - 1)
+    slots = torch.arange(tokens + 1, 1, -1, device=DEVICE)  # rows use slots t+2 .. 2: out of order, 0 and 1 unused
+    if tokens > 1:
+        slots[1] = -1 - slots[1]  # row 1 is masked: it reads its window and leaves it
+    before = cache.clone()
+    new_hidden, projected, _ = add_norm_gemv(
+        hidden, pending, norm_weight, weight, EPS, conv=ConvEpilogue(conv_weight, cache, slots)
+    )
+    _, _, ref_projected = add_norm_twin(hidden, pending, norm_weight, weight)
+    read = torch.where(slots >= 0, slots, -1 - slots)
+    ref_conv, ref_windows, _ = causal_conv1d(ref_projected[:, None, :channels], conv_weight, before[read])
+    assert rel_err(projected[:, :channels], ref_conv[:, 0]) < TOL
+    assert rel_err(projected[:, channels:], ref_projected[:, channels:]) < TOL
+    written = slots >= 0
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[read[written]] = False
+    assert torch.equal(cache[untouched], before[untouched])  # unused and masked slots
+    shifted = cache[read[written]]
+    assert torch.equal(shifted[:, :, :-1], before[read[written]][:, :, 1:])
+    assert rel_err(shifted[:, :, -1], ref_windows[written][:, :, -1]) < TOL  # the new column as the kernel rounded it
+
+
+def test_the_conv_epilogue_matches_the_conv_kernel_bit_for_bit():
+    """Projection + conv epilogue in one launch equals the projection followed by ``causal_conv1d_update``."""
+    from ninfer.kernels.triton.conv import causal_conv1d_update
+
+    width, out_rows, channels = CONV_SHAPES[0]
+    tokens = 2
+    hidden, norm_weight = randn(tokens, width), randn(width, scale=0.3)
+    weight, conv_weight = randn(out_rows, width, scale=0.05), randn(channels, 4, scale=0.5)
+    cache = randn(3, channels, 3)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    fused_cache, separate_cache = cache.clone(), cache.clone()
+    conv = ConvEpilogue(conv_weight, fused_cache, slots)
+    _, fused, _ = add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=conv)
+    _, projected, _ = add_norm_gemv(hidden, None, norm_weight, weight, EPS)
+    mixed = causal_conv1d_update(projected[:, :channels], conv_weight, separate_cache, slots)
+    assert torch.equal(fused[:, :channels], mixed)
+    assert torch.equal(fused[:, channels:], projected[:, channels:])
+    assert torch.equal(fused_cache, separate_cache)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
@@ -238,6 +297,13 @@ def test_fused_gemvs_reject_bad_inputs():
         add_norm_gemv(randn(65, width), None, norm_weight, weight, EPS)
     with pytest.raises(ValueError, match="16 weight rows"):
         add_norm_gemv(hidden, None, norm_weight, weight, EPS, tiles=GemvTiles(rows=4))
+    conv_weight, cache, slots = randn(out_rows // 2, 4), randn(3, out_rows // 2, 3), torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="conv weight"):
+        add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=ConvEpilogue(randn(out_rows + 1, 4), cache, slots))
+    with pytest.raises(ValueError, match="conv cache"):
+        add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=ConvEpilogue(conv_weight, cache[:, :, :2], slots))
+    with pytest.raises(ValueError, match="conv slots"):
+        add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=ConvEpilogue(conv_weight, cache, slots[:1]))
     heads, dim, out_rows = GATED_SHAPES[-1]
     core, z, gated_weight = randn(2, heads, dim), randn(2, heads * dim), randn(out_rows, heads * dim)
     with pytest.raises(ValueError, match="power-of-two"):

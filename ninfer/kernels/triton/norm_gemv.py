@@ -204,21 +204,57 @@ def dot_normed_rows_from(
 
 
 @triton.jit
+def _conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW: tl.constexpr):
+    """``(window pointers [TOKENS, ROWS], their mask, whether each row updates its slot [TOKENS, 1], the pasts)``
+    of the conv epilogue: output columns ``rows`` below ``conv_channels`` of each token row's slot (a negative slot
+    ``-1 - s`` reads slot ``s`` and is not written)."""
+    raw_slot = tl.load(slots_ptr + t, mask=token_valid, other=0).to(tl.int64)
+    update = (raw_slot >= 0)[:, None]
+    slot = tl.where(raw_slot >= 0, raw_slot, -1 - raw_slot)
+    mask = token_valid[:, None] & (rows < conv_channels)[None, :]
+    window_ptr = cache_ptr + slot[:, None] * cache_slot_stride + rows[None, :] * WINDOW
+    pasts = ()
+    for j in tl.static_range(WINDOW):
+        pasts = pasts + (tl.load(window_ptr + j, mask=mask, other=0.0),)
+    return window_ptr, mask, update, pasts
+
+
+@triton.jit
+def _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
+    """``silu(causal conv)`` of the projected columns ``y [TOKENS, ROWS]`` (rounded activations) with their
+    windows, which shift in place (``conv.causal_conv1d_update``'s arithmetic); columns past the conv keep ``y``."""
+    taps_ptr = conv_weight_ptr + rows[None, :] * (WINDOW + 1)
+    acc = y.to(tl.float32) * tl.load(taps_ptr + WINDOW, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(WINDOW):
+        acc += pasts[j].to(tl.float32) * tl.load(taps_ptr + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(window_ptr + (j - 1), pasts[j], mask=mask & update)
+    tl.store(window_ptr + (WINDOW - 1), y.to(window_ptr.dtype.element_ty), mask=mask & update)
+    return tl.where(mask, (acc * tl.sigmoid(acc)).to(y.dtype), y)
+
+
+@triton.jit
 def _add_norm_gemv_kernel(
     hidden_ptr, hidden_stride, pending_ptr, pending_stride, norm_weight_ptr, w_ptr, out_ptr, hidden_out_ptr,
     normed_out_ptr, tokens, out_features, width, eps,
+    conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
+    HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, CONV: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
     w_rows = w_ptr + rows.to(tl.int64) * width
     cols = tl.arange(0, BLOCK_K)
     col_valid = cols < width
-    first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
-    after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
     t = tl.arange(0, TOKENS)
     token_valid = t < tokens
+    first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
+    if CONV:  # the windows are not the predecessor's either (this kernel wrote them a step ago)
+        window_ptr, conv_mask, update, pasts = _conv_windows(
+            conv_cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW
+        )
+    after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
     hidden_rows = hidden_ptr + t * hidden_stride
     pending_rows = pending_ptr + t * pending_stride
     mask = token_valid[:, None] & col_valid[None, :]
@@ -241,8 +277,23 @@ def _add_norm_gemv_kernel(
             acc, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, BLOCK_K, width,
             hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS, BLOCK_K,
         )
+    y = acc.to(out_ptr.dtype.element_ty)
+    if CONV:
+        y = _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
     out = out_ptr + t[:, None] * out_features + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_valid[:, None] & row_valid[None, :])
+    tl.store(out, y, mask=token_valid[:, None] & row_valid[None, :])
+
+
+@attrs.frozen
+class ConvEpilogue:
+    """The Gated DeltaNet's causal conv step applied to the first ``weight.shape[0]`` projected columns inside
+    ``add_norm_gemv`` (each column's program owns its window, so no separate conv launch): ``weight [C, K]``,
+    ``cache [S, C, K-1]`` (windows packed per slot), ``slots [N]`` (a negative slot ``-1 - s`` reads slot ``s`` and
+    leaves its window as it is). The same contract as ``conv.causal_conv1d_update``."""
+
+    weight: torch.Tensor
+    cache: torch.Tensor
+    slots: torch.Tensor
 
 
 def _check_rows(tensor: torch.Tensor, name: str, rows: int, width: int) -> None:
@@ -258,6 +309,7 @@ def add_norm_gemv(
     eps: float,
     *,
     keep_normed: bool = False,
+    conv: ConvEpilogue | None = None,
     tiles: GemvTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(new hidden, projected, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
@@ -265,6 +317,9 @@ def add_norm_gemv(
     ``new hidden = hidden + pending`` (rounded; ``hidden`` itself without ``pending``), ``normed =
     rms_norm(new hidden) * (1 + norm_weight)`` (rounded), ``projected = normed @ weight^T`` (``weight [O, H]``
     contiguous, e.g. a layer's fused input rows). ``keep_normed``: also return ``normed`` (for a second consumer).
+    ``conv``: the first ``C`` projected columns come back as ``silu(conv)`` of the projection, their windows shifted
+    in place (``ConvEpilogue``); then the kernel immediately before this one must not write the conv weight, cache
+    or slots (they load before the wait for it).
     """
     tokens, width = hidden.shape
     if not 1 <= tokens <= MAX_ROWS:
@@ -278,6 +333,7 @@ def add_norm_gemv(
         raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
     tiles = tiles or default_tiles(tokens, hidden.device)
     out_features = weight.shape[0]
+    window = _check_conv(conv, tokens, out_features) if conv is not None else 0
     like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((tokens, out_features), **like_hidden)
     new_hidden = torch.empty((tokens, width), **like_hidden) if pending is not None else hidden
@@ -287,11 +343,30 @@ def add_norm_gemv(
         hidden, hidden.stride(0), pending if pending is not None else hidden,
         pending.stride(0) if pending is not None else 0, norm_weight, weight, out, new_hidden,
         normed if keep_normed else out, tokens, out_features, width, eps,
+        *((conv.weight, conv.cache, conv.cache.stride(0), conv.slots, conv.weight.shape[0]) if conv is not None
+          else (weight, weight, 0, weight, 0)),
         TOKENS=token_block(tokens, tiles.rows), ROWS=tiles.rows, BLOCK_K=block_k, WHOLE_ROW=block_k >= width,
-        HAS_PENDING=pending is not None, KEEP_NORMED=keep_normed, PDL=tiles.pdl, num_warps=tiles.warps,
+        HAS_PENDING=pending is not None, KEEP_NORMED=keep_normed, CONV=conv is not None, WINDOW=window,
+        PDL=tiles.pdl, num_warps=tiles.warps,
         num_stages=tiles.stages, **launch_options(tiles.pdl),
     )
     return new_hidden, out, normed
+
+
+def _check_conv(conv: ConvEpilogue, tokens: int, out_features: int) -> int:
+    """The conv window ``K-1`` of a valid ``ConvEpilogue`` over ``tokens`` rows of ``out_features`` columns."""
+    channels, taps = conv.weight.shape
+    window = taps - 1
+    if not conv.weight.is_contiguous() or channels > out_features or window < 1:
+        raise ValueError(
+            f"conv weight must be a contiguous [C <= {out_features}, K >= 2]; got {tuple(conv.weight.shape)}"
+        )
+    cache = conv.cache
+    if cache.dim() != 3 or tuple(cache.shape[1:]) != (channels, window) or cache.stride()[1:] != (window, 1):
+        raise ValueError(f"conv cache must be [S, {channels}, {window}] with packed windows; got {tuple(cache.shape)}")
+    if conv.slots.shape != (tokens,) or conv.slots.device != cache.device:
+        raise ValueError(f"conv slots must be [{tokens}] on the cache's device; got {tuple(conv.slots.shape)}")
+    return window
 
 
 @triton.jit

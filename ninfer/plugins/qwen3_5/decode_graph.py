@@ -39,7 +39,7 @@ from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
 from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_moe_decode
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
-from ninfer.kernels.triton.norm_gemv import add_norm_gemv, gated_norm_gemv
+from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
@@ -304,14 +304,19 @@ class DecodeGraphRunner:
         hidden, pending = carry.hidden, carry.pending
         fold_norms = hidden.shape[0] <= min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS)
         for layer, fused, kind in zip(model.layers[start:stop], self.fused[start:stop], kinds[start:stop]):
-            if fold_norms:
+            recurrent = kind != FULL_ATTENTION
+            if fold_norms:  # a GDN layer's conv step runs inside its input projection
+                conv = (
+                    ConvEpilogue(layer.mixer.conv_weight, state.conv[recurrent_index], inputs.state_slots)
+                    if recurrent else None
+                )
                 hidden, projected, _ = add_norm_gemv(
-                    hidden, pending, layer.input_layernorm, fused.mixer_in, config.rms_norm_eps
+                    hidden, pending, layer.input_layernorm, fused.mixer_in, config.rms_norm_eps, conv=conv
                 )
             else:
                 hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
                 projected = F.linear(normed, fused.mixer_in)
-            if kind == FULL_ATTENTION:
+            if not recurrent:
                 pending = self._attention(
                     layer.mixer, projected, inputs, carry.slot_mapping, carry.total_lens,  # type: ignore[arg-type]
                     kv.key[attention_index], kv.value[attention_index],
@@ -350,10 +355,12 @@ class DecodeGraphRunner:
         ssm_cache: torch.Tensor,
         fold_norm: bool,
     ) -> torch.Tensor:
-        """The GDN mixer from its fused input projection; ``fold_norm``: the gated output norm inside the out GEMV."""
+        """The GDN mixer from its fused input projection; ``fold_norm``: the projection came from ``add_norm_gemv``
+        with the conv step inside (its q|k|v columns are the conv's output) and the gated output norm goes inside the
+        out GEMV."""
         config = self.config
         qkv, z, b, a = self.gated_deltanet_inputs(projected)
-        mixed = causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
+        mixed = qkv if fold_norm else causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
         output_norm = {} if fold_norm else dict(z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps)
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
