@@ -39,12 +39,8 @@ import triton.language as tl
 
 from ninfer.kernels.triton import interpreting, next_power_of_2
 from ninfer.kernels.triton.norm_gemv import (
-    ConvEpilogue,
     accumulate,
     after_predecessor,
-    check_conv,
-    conv_epilogue,
-    conv_windows,
     launch_options,
     normed_product,
     pdl_supported,
@@ -54,9 +50,7 @@ from ninfer.kernels.triton.norm_gemv import (
 
 INTERPRETER_PROGRAMS = 5  # the grid in Triton's interpreter (programs run one after another there)
 TRACE_SLOTS = 16  # int64 clock stamps per program with ``trace`` (``TRACE_POINTS`` of them used)
-TRACE_POINTS = (
-    "start", "waited", "routed_rows", "barrier_1", "routing", "gate_up", "down_issued", "barrier_2", "end",
-)
+TRACE_POINTS = ("start", "waited", "routed_rows", "barrier_1", "routing", "gate_up", "down_issued", "barrier_2", "end")
 
 
 class NotResidentError(ValueError):
@@ -66,12 +60,11 @@ class NotResidentError(ValueError):
 @attrs.frozen
 class PersistentTiles:
     """Launch shape of the persistent MoE kernel. A unit's tiles are whole weight rows held in registers, so the row
-    counts shrink (powers of two) until four gate/up tiles (a unit's and its successor's), one down unit (every
-    selected expert's rows) or two next-entry tiles fit ``TILE_ELEMENTS_PER_THREAD`` per thread."""
+    counts shrink (powers of two) until four gate/up tiles (a unit's and its successor's) or one down unit (every
+    selected expert's rows) fit ``TILE_ELEMENTS_PER_THREAD`` per thread."""
 
     gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
     down_rows: int = 4  # hidden rows per down unit
-    next_rows: int = 8  # rows of the next layer's entry weights per step of its phase (``NextEntry``)
     warps: int = 8
     programs_per_sm: int = 2  # the grid (all resident at once: checked against the compiled kernel's resources)
     max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM, at the cost of a few spills
@@ -278,67 +271,16 @@ def _down_store(
 
 
 @triton.jit
-def _next_entry_tile(block, next_w_ptr, next_features, hidden, NEXT_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rows ``block * NEXT_ROWS ...`` of the next layer's entry weights ``[NEXT_ROWS, BLOCK_H]`` (zero past them)."""
-    rows = block * NEXT_ROWS + tl.arange(0, NEXT_ROWS)
-    row_valid = rows < next_features
-    return weight_tile(next_w_ptr + rows.to(tl.int64) * hidden, row_valid, 0, hidden, BLOCK_H)
-
-
-@triton.jit
-def _next_entry_phase(
-    first_tile, residual_ptr, out_ptr, next_norm_ptr, next_w_ptr, next_out_ptr, next_hidden_out_ptr, next_features,
-    hidden, eps, conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels,
-    CONV: tl.constexpr, WINDOW: tl.constexpr, NEXT_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """The next layer's ``add_norm_gemv`` (with its conv epilogue) over the block output: every program norms
-    ``residual + out`` itself and multiplies its row blocks (``first_tile`` already loaded, each successor loading
-    while the current one computes); program 0 stores the new residual stream. Reads other programs' writes through
-    L2 (``.cg``)."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    t = tl.arange(0, 1)
-    col_valid = cols < hidden
-    mask = col_valid[None, :]
-    residual = tl.load(residual_ptr + t[:, None] + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    block_out = tl.load(out_ptr + t[:, None] + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    summed = (block_out.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
-    values = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(values * values, axis=1) / hidden + eps)
-    tile = first_tile
-    blocks = tl.cdiv(next_features, NEXT_ROWS)
-    for block in range(pid, blocks, programs):
-        following = _next_entry_tile(block + programs, next_w_ptr, next_features, hidden, NEXT_ROWS, BLOCK_H)
-        rows = block * NEXT_ROWS + tl.arange(0, NEXT_ROWS)
-        acc = normed_product(
-            tl.zeros((1, NEXT_ROWS), tl.float32), tile, summed, cols, col_valid, mask, next_norm_ptr, rstd,
-            next_hidden_out_ptr + t, next_hidden_out_ptr + t, (pid == 0) & (block == 0), True, False, 1,
-        )
-        y = acc.to(next_out_ptr.dtype.element_ty)
-        if CONV:
-            window_ptr, conv_mask, update, pasts = conv_windows(
-                conv_cache_ptr, cache_slot_stride, slots_ptr, rows, t, t < 1, conv_channels, WINDOW
-            )
-            y = conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
-        tl.store(next_out_ptr + t[:, None] + rows[None, :], y, mask=(rows < next_features)[None, :])
-        tile = following
-
-
-@triton.jit
 def _persistent_moe_kernel(
     hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, eps,
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
     logits_ptr, act_ptr, out_ptr, counter_ptr, trace_ptr, num_experts, hidden, inner, shared_inner, act_stride,
-    next_norm_ptr, next_w_ptr, next_out_ptr, next_hidden_out_ptr, next_features,
-    conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr,
     BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
-    TRACE: tl.constexpr, NEXT: tl.constexpr, NEXT_ROWS: tl.constexpr, CONV: tl.constexpr, WINDOW: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
-    # PHASE -1: all phases with grid barriers between them; 0, 1, 2 (3 with NEXT): that phase alone (the
-    # interpreter's form)
+    # PHASE -1: all three phases with grid barriers between them; 0, 1, 2: that phase alone (the interpreter's form)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     shared_units = tl.cdiv(shared_inner, GATE_UP_ROWS)
@@ -424,19 +366,9 @@ def _persistent_moe_kernel(
                 routed_tile, shared_tile, unit, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
                 shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
-    if NEXT and (PHASE == -1 or PHASE == 3):  # its first rows stream while the other programs finish down
-        next_tile = _next_entry_tile(pid, next_w_ptr, next_features, hidden, NEXT_ROWS, BLOCK_H)
-        if PHASE == -1:
-            _grid_barrier(counter_ptr, 3 * programs)
-        _next_entry_phase(
-            next_tile, hidden_out_ptr if HAS_PENDING else hidden_ptr, out_ptr, next_norm_ptr, next_w_ptr, next_out_ptr,
-            next_hidden_out_ptr, next_features, hidden, eps, conv_weight_ptr, conv_cache_ptr, cache_slot_stride,
-            slots_ptr, conv_channels, CONV, WINDOW, NEXT_ROWS, BLOCK_H,
-        )
     _stamp(trace_ptr, 8, TRACE)
     if PHASE == -1:  # the last program out resets the counter for the next call
-        barriers: tl.constexpr = 3 if NEXT else 2
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == (barriers + 1) * programs - 1:
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
             tl.atomic_xchg(counter_ptr, 0)
 
 
@@ -465,31 +397,6 @@ def _rows_within(rows: int, elements_per_row: int, budget: int) -> int:
     return fitting
 
 
-@attrs.frozen
-class NextEntry:
-    """The next layer's entry projection, run as the block's last phase (``add_norm_gemv`` of the block's output
-    onto the residual stream, with its conv epilogue for a Gated DeltaNet layer): saves the launch boundary where
-    the next kernel could not start before every program of this one had left the SMs."""
-
-    norm_weight: torch.Tensor  # the next layer's input_layernorm [H]
-    weight: torch.Tensor  # its fused entry rows [O, H]
-    eps: float
-    conv: ConvEpilogue | None = None
-
-
-@attrs.frozen
-class PersistentMoEOutput:
-    """``out``: the block output; ``hidden``: the residual stream the block added to (``hidden + pending``);
-    ``logits``: the router's and the shared expert gate's; with a ``NextEntry``, ``next_hidden = hidden + out`` and
-    ``next_projected``: the next layer's entry projection of it (None without)."""
-
-    out: torch.Tensor
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    next_hidden: torch.Tensor | None = None
-    next_projected: torch.Tensor | None = None
-
-
 def persistent_moe_decode(
     hidden: torch.Tensor,
     pending: torch.Tensor | None,
@@ -508,9 +415,8 @@ def persistent_moe_decode(
     programs: int | None = None,
     one_launch: bool | None = None,
     trace: torch.Tensor | None = None,
-    next_entry: NextEntry | None = None,
-) -> PersistentMoEOutput:
-    """The MoE block of one row ``hidden [1, H]`` (see ``PersistentMoEOutput``).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE block of one row ``hidden [1, H]``; returns ``(block output, new hidden, router logits)``.
 
     With ``norm_weight`` the block's input is ``rms_norm(hidden + pending) * (1 + norm_weight)`` and the new hidden
     is ``hidden + pending`` (``hidden`` itself without ``pending``); without it ``hidden`` is the input (no
@@ -520,8 +426,7 @@ def persistent_moe_decode(
     left zeroed). ``programs``: the grid (default: ``default_programs``; all resident with ``one_launch``).
     ``one_launch``: the phases in one launch with grid barriers (default everywhere but Triton's interpreter).
     ``trace``: an int64 ``[programs, TRACE_SLOTS]`` tensor that receives each program's SM clock at ``TRACE_POINTS``
-    (CUDA only). ``next_entry`` (needs ``norm_weight``): the next layer's entry projection as a last phase; its
-    conv's weight, cache and slots load before the wait for the previous kernel, which must not write them.
+    (CUDA only).
     """
     tokens, width = hidden.shape
     if tokens != 1 or not hidden.is_contiguous():
@@ -550,20 +455,6 @@ def persistent_moe_decode(
         raise ValueError(f"top_k must be in 1..{num_experts}; got {top_k}")
     if workspace.dtype != torch.int32 or workspace.numel() < 1:
         raise ValueError("workspace must be a zeroed int32 tensor")
-    window, next_features = 0, 0
-    if next_entry is not None:
-        next_weight = next_entry.weight
-        if not norm:
-            raise ValueError("next_entry needs the block's own add+norm (norm_weight)")
-        if next_weight.dim() != 2 or next_weight.shape[1] != width or not next_weight.is_contiguous():
-            raise ValueError(f"next_entry weight must be a contiguous [O, {width}]; got {tuple(next_weight.shape)}")
-        if next_entry.norm_weight.shape != (width,) or not next_entry.norm_weight.is_contiguous():
-            raise ValueError(f"next_entry norm_weight must be a contiguous [{width}]")
-        if next_entry.eps != eps:
-            raise ValueError("next_entry eps must be the block's (one eps argument in the kernel)")
-        next_features = next_weight.shape[0]
-        if next_entry.conv is not None:
-            window = check_conv(next_entry.conv, 1, next_features)
     device = hidden.device
     tiles = tiles or default_tiles(device)
     one_launch = not interpreting() if one_launch is None else one_launch
@@ -577,21 +468,11 @@ def persistent_moe_decode(
     act_stride = max(inner, shared_inner)
     act = torch.empty((top_k + 1, act_stride), dtype=hidden.dtype, device=device)
     out = torch.empty_like(hidden)
-    next_hidden = next_projected = None
-    next_args: tuple = (hidden, hidden, hidden, hidden, 0)
-    conv_args: tuple = (hidden, hidden, 0, workspace, 0)
-    if next_entry is not None:
-        next_hidden = torch.empty_like(hidden)
-        next_projected = torch.empty((1, next_features), dtype=hidden.dtype, device=device)
-        next_args = (next_entry.norm_weight, next_entry.weight, next_projected, next_hidden, next_features)
-        conv = next_entry.conv
-        if conv is not None:
-            conv_args = (conv.weight, conv.cache, conv.cache.stride(0), conv.slots, conv.weight.shape[0])
     args = (
         hidden, pending if has_pending else hidden, norm_weight if norm else hidden, new_hidden, normed, eps,
         router, shared_expert_gate, gate_up, down, shared_gate_up, shared_down, logits, act, out, workspace,
         workspace if trace is None else trace,
-        num_experts, width, inner, shared_inner, act_stride, *next_args, *conv_args,
+        num_experts, width, inner, shared_inner, act_stride,
     )
     block_h, block_i, top_k_pad = next_power_of_2(width), next_power_of_2(act_stride), next_power_of_2(top_k)
     budget = TILE_ELEMENTS_PER_THREAD * 32 * tiles.warps
@@ -600,14 +481,12 @@ def persistent_moe_decode(
         ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
         GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
         DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
-        HAS_PENDING=has_pending, TRACE=trace is not None, NEXT=next_entry is not None,
-        NEXT_ROWS=_rows_within(tiles.next_rows, 2 * block_h, budget), CONV=window > 0, WINDOW=window,
+        HAS_PENDING=has_pending, TRACE=trace is not None,
         PDL=tiles.pdl, num_warps=tiles.warps, **launch_options(tiles.pdl),
         **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}),
     )
     if one_launch:
         _check_resident(programs, args, constants, tiles.warps, device)
-    phases = (0, 1, 2, 3) if next_entry is not None else (0, 1, 2)
-    for phase in (-1,) if one_launch else phases:
+    for phase in (-1,) if one_launch else (0, 1, 2):
         _persistent_moe_kernel[(programs,)](*args, PHASE=phase, **constants)
-    return PersistentMoEOutput(out, new_hidden, logits, next_hidden, next_projected)
+    return out, new_hidden, logits

@@ -18,9 +18,8 @@ sm_90+) a program loads its first weight tile, then waits for the predecessor's 
 the weights stream while the previous kernel drains.
 
 The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``normed_product``,
-``inverse_rms``, ``dot_normed_rows_from``, ``conv_windows``, ``conv_epilogue``) are shared with the MoE decode
-kernels (``moe_grouped``, ``moe_persistent``), whose routers normalise their input the same way and whose persistent
-block can end with the next layer's entry projection.
+``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
+``moe_persistent``), whose routers normalise their input the same way.
 """
 
 from __future__ import annotations
@@ -205,7 +204,7 @@ def dot_normed_rows_from(
 
 
 @triton.jit
-def conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW: tl.constexpr):
+def _conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW: tl.constexpr):
     """``(window pointers [TOKENS, ROWS], their mask, whether each row updates its slot [TOKENS, 1], the pasts)``
     of the conv epilogue: output columns ``rows`` below ``conv_channels`` of each token row's slot (a negative slot
     ``-1 - s`` reads slot ``s`` and is not written)."""
@@ -221,7 +220,7 @@ def conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, 
 
 
 @triton.jit
-def conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
+def _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
     """``silu(causal conv)`` of the projected columns ``y [TOKENS, ROWS]`` (rounded activations) with their
     windows, which shift in place (``conv.causal_conv1d_update``'s arithmetic); columns past the conv keep ``y``."""
     taps_ptr = conv_weight_ptr + rows[None, :] * (WINDOW + 1)
@@ -252,7 +251,7 @@ def _add_norm_gemv_kernel(
     token_valid = t < tokens
     first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
     if CONV:  # the windows are not the predecessor's either (this kernel wrote them a step ago)
-        window_ptr, conv_mask, update, pasts = conv_windows(
+        window_ptr, conv_mask, update, pasts = _conv_windows(
             conv_cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW
         )
     after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
@@ -280,7 +279,7 @@ def _add_norm_gemv_kernel(
         )
     y = acc.to(out_ptr.dtype.element_ty)
     if CONV:
-        y = conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
+        y = _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
     out = out_ptr + t[:, None] * out_features + rows[None, :]
     tl.store(out, y, mask=token_valid[:, None] & row_valid[None, :])
 
@@ -334,7 +333,7 @@ def add_norm_gemv(
         raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
     tiles = tiles or default_tiles(tokens, hidden.device)
     out_features = weight.shape[0]
-    window = check_conv(conv, tokens, out_features) if conv is not None else 0
+    window = _check_conv(conv, tokens, out_features) if conv is not None else 0
     like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((tokens, out_features), **like_hidden)
     new_hidden = torch.empty((tokens, width), **like_hidden) if pending is not None else hidden
@@ -354,7 +353,7 @@ def add_norm_gemv(
     return new_hidden, out, normed
 
 
-def check_conv(conv: ConvEpilogue, tokens: int, out_features: int) -> int:
+def _check_conv(conv: ConvEpilogue, tokens: int, out_features: int) -> int:
     """The conv window ``K-1`` of a valid ``ConvEpilogue`` over ``tokens`` rows of ``out_features`` columns."""
     channels, taps = conv.weight.shape
     window = taps - 1

@@ -37,12 +37,7 @@ from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k
 from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
-from ninfer.kernels.triton.moe_persistent import (
-    NextEntry,
-    NotResidentError,
-    PersistentMoEOutput,
-    persistent_moe_decode,
-)
+from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_moe_decode
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
@@ -216,8 +211,6 @@ class DecodeGraphRunner:
         # cuBLAS (``out_gemv_rows``); 0: never (docs/performance.md, round 6)
         self.down_gemv_rows = down_gemv_rows
         self.out_gemv_rows = out_gemv_rows
-        # each layer's index among the KV layers (attention) or the state layers (Gated DeltaNet)
-        self._cache_index = cache_indices(self.config.layer_types)
         self._graphs: dict[tuple, CapturedStep] = {}
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
@@ -303,56 +296,44 @@ class DecodeGraphRunner:
     def _layers(
         self, carry: StepCarry, inputs: DecodeInputs, kv: KVCache, state: StateCache, start: int, stop: int
     ) -> StepCarry:
-        """Layers ``[start, stop)`` of the trunk. With folded norms a GDN layer's conv step runs inside its entry
-        projection, and a one-row persistent MoE block also runs the next layer's entry projection (``NextEntry``)
-        when that layer is in the range."""
+        """Layers ``[start, stop)`` of the trunk."""
         model, config = self.model, self.config
+        kinds = config.layer_types
+        attention_index = sum(1 for kind in kinds[:start] if kind == FULL_ATTENTION)
+        recurrent_index = start - attention_index
         hidden, pending = carry.hidden, carry.pending
         fold_norms = hidden.shape[0] <= min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS)
-        projected = None  # the layer's entry projection, when the block before computed it
-        for index in range(start, stop):
-            layer, fused, cache = model.layers[index], self.fused[index], self._cache_index[index]
-            if projected is None and fold_norms:
-                hidden, projected, _ = add_norm_gemv(
-                    hidden, pending, layer.input_layernorm, fused.mixer_in, config.rms_norm_eps,
-                    conv=self._entry_conv(index, state, inputs),
+        for layer, fused, kind in zip(model.layers[start:stop], self.fused[start:stop], kinds[start:stop]):
+            recurrent = kind != FULL_ATTENTION
+            if fold_norms:  # a GDN layer's conv step runs inside its input projection
+                conv = (
+                    ConvEpilogue(layer.mixer.conv_weight, state.conv[recurrent_index], inputs.state_slots)
+                    if recurrent else None
                 )
-            elif projected is None:
+                hidden, projected, _ = add_norm_gemv(
+                    hidden, pending, layer.input_layernorm, fused.mixer_in, config.rms_norm_eps, conv=conv
+                )
+            else:
                 hidden, normed = self._add_norm(pending, hidden, layer.input_layernorm)
                 projected = F.linear(normed, fused.mixer_in)
-            if config.layer_types[index] == FULL_ATTENTION:
+            if not recurrent:
                 pending = self._attention(
                     layer.mixer, projected, inputs, carry.slot_mapping, carry.total_lens,  # type: ignore[arg-type]
-                    kv.key[cache], kv.value[cache],
+                    kv.key[attention_index], kv.value[attention_index],
                 )
+                attention_index += 1
             else:
                 pending = self._gated_deltanet(
                     layer.mixer, projected, inputs.state_slots,  # type: ignore[arg-type]
-                    state.conv[cache], state.ssm[cache], fold_norms,
+                    state.conv[recurrent_index], state.ssm[recurrent_index], fold_norms,
                 )
-            projected = None
+                recurrent_index += 1
             if fold_norms and self.norm_gemv_ffn:
-                following = self._next_entry(index + 1, state, inputs) if index + 1 < stop else None
-                hidden, pending, projected = self._feed_forward_add_norm(layer, fused, hidden, pending, following)
+                hidden, pending = self._feed_forward_add_norm(layer, fused, hidden, pending)
             else:
                 hidden, normed = self._add_norm(pending, hidden, layer.post_attention_layernorm)
                 pending = self.feed_forward(layer, fused, normed)
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
-
-    def _entry_conv(self, index: int, state: StateCache, inputs: DecodeInputs) -> ConvEpilogue | None:
-        """The conv step of layer ``index``'s folded entry projection (None for an attention layer)."""
-        if self.config.layer_types[index] == FULL_ATTENTION:
-            return None
-        conv_weight = self.model.layers[index].mixer.conv_weight  # type: ignore[union-attr]
-        return ConvEpilogue(conv_weight, state.conv[self._cache_index[index]], inputs.state_slots)
-
-    def _next_entry(self, index: int, state: StateCache, inputs: DecodeInputs) -> NextEntry:
-        """Layer ``index``'s folded entry projection for the block before it to run."""
-        layer = self.model.layers[index]
-        return NextEntry(
-            layer.input_layernorm, self.fused[index].mixer_in, self.config.rms_norm_eps,
-            self._entry_conv(index, state, inputs),
-        )
 
     def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
         _, final = self._add_norm(carry.pending, carry.hidden, self.model.norm)
@@ -453,37 +434,28 @@ class DecodeGraphRunner:
             return self._down_projection(F.linear(normed, fused.ffn_in), mlp.down_proj)
         persistent = self._persistent_moe_block(normed, None, None, 0.0, mlp, fused)
         if persistent is not None:
-            return persistent.out
+            return persistent[0]
         if self._grouped_moe(normed.shape[0]):
             return grouped_moe_decode(normed, **self._grouped_moe_weights(mlp, fused))
         return self._routed_experts(mlp, normed, F.linear(normed, fused.ffn_in))
 
     def _feed_forward_add_norm(
-        self,
-        layer: DecoderLayerWeights,
-        fused: FusedProjections,
-        hidden: torch.Tensor,
-        pending: torch.Tensor,
-        following: NextEntry | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(new hidden, block output, None)``: ``feed_forward`` with the post-attention add+RMSNorm inside its
-        entry; or, where the persistent MoE block also ran ``following`` (the next layer's entry projection),
-        ``(hidden + block output, None, that projection)``."""
+        self, layer: DecoderLayerWeights, fused: FusedProjections, hidden: torch.Tensor, pending: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new hidden, block output)``: ``feed_forward`` with the post-attention add+RMSNorm inside its entry."""
         mlp, norm, eps = layer.mlp, layer.post_attention_layernorm, self.config.rms_norm_eps
         if isinstance(mlp, DenseMLPWeights):
             hidden, gate_up, _ = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps)
-            return hidden, self._down_projection(gate_up, mlp.down_proj), None
-        persistent = self._persistent_moe_block(hidden, pending, norm, eps, mlp, fused, following)
+            return hidden, self._down_projection(gate_up, mlp.down_proj)
+        persistent = self._persistent_moe_block(hidden, pending, norm, eps, mlp, fused)
         if persistent is not None:
-            if persistent.next_projected is not None:
-                return persistent.next_hidden, None, persistent.next_projected  # type: ignore[return-value]
-            return persistent.hidden, persistent.out, None
+            return persistent[1], persistent[0]
         if self._grouped_moe(hidden.shape[0]):
             weights = self._grouped_moe_weights(mlp, fused)
             out, hidden = grouped_moe_decode_add_norm(hidden, pending, norm, eps, **weights)
-            return hidden, out, None
+            return hidden, out
         hidden, entry, normed = add_norm_gemv(hidden, pending, norm, fused.ffn_in, eps, keep_normed=True)
-        return hidden, self._routed_experts(mlp, normed, entry), None  # type: ignore[arg-type]
+        return hidden, self._routed_experts(mlp, normed, entry)  # type: ignore[arg-type]
 
     def _persistent_moe_block(
         self,
@@ -493,21 +465,21 @@ class DecodeGraphRunner:
         eps: float,
         mlp: MoEWeights,
         fused: FusedProjections,
-        following: NextEntry | None = None,
-    ) -> PersistentMoEOutput | None:
-        """A one-row MoE block from ``persistent_moe_decode`` (with ``following`` as its last phase), or None when
-        the batch has more rows or the device cannot hold its grid at once (the runner then keeps the grouped
-        kernels; that is found at the first, eager, step)."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(block output, new hidden)`` of a one-row MoE block from ``persistent_moe_decode``, or None when the
+        batch has more rows or the device cannot hold its grid at once (the runner then keeps the grouped kernels;
+        that is found at the first, eager, step)."""
         if hidden.shape[0] != 1 or not self.persistent_moe:
             return None
         try:
-            return persistent_moe_decode(
-                hidden, pending, norm, eps, **self._grouped_moe_weights(mlp, fused), next_entry=following
+            out, new_hidden, _ = persistent_moe_decode(
+                hidden, pending, norm, eps, **self._grouped_moe_weights(mlp, fused)
             )
         except NotResidentError as exc:
             log.warning("the persistent MoE block does not fit this device (%s): the grouped kernels run instead", exc)
             self.persistent_moe = False
             return None
+        return out, new_hidden
 
     def _grouped_moe(self, rows: int) -> bool:
         return rows <= min(self.grouped_moe_rows, GROUPED_MOE_MAX_ROWS)
@@ -533,17 +505,6 @@ class DecodeGraphRunner:
         activated = silu_mul(expert_gemv(normed, mlp.gate_up, experts, pairs_per_x=top_k))  # type: ignore[arg-type]
         expert_out = expert_gemv(activated, mlp.down, experts, pairs_per_x=1)
         return combine_experts(expert_out, weights, shared, entry[:, num_experts + 2 * shared_inner :])
-
-
-def cache_indices(kinds: Sequence[str]) -> list[int]:
-    """Each layer's index among the layers of its kind (attention layers own KV, the others state slots)."""
-    seen = {FULL_ATTENTION: 0, "recurrent": 0}
-    indices = []
-    for kind in kinds:
-        key = FULL_ATTENTION if kind == FULL_ATTENTION else "recurrent"
-        indices.append(seen[key])
-        seen[key] += 1
-    return indices
 
 
 def segment_bounds(layers: int, segments: int) -> list[tuple[int, int]]:
