@@ -5,10 +5,11 @@ continuing from a window.
 Twin: ``ninfer.kernels.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
 first; after a step it holds the last K-1 inputs including the new one.
 
-With programmatic dependent launch (sm_90+) the decode step loads the taps, the slot id and the slot's window before
-``griddepcontrol.wait`` and the new input column (the predecessor's output) after it, where it also writes the window
-back: the predecessor (the input projection) writes none of the early data, and everything older has finished by the
-time a dependent launch lets this kernel start.
+The decode step is ``norm_gemv``'s conv epilogue (``conv_windows`` / ``conv_epilogue``, which the norm-fused entry
+projection runs inside its GEMV) over a row's channel block. With programmatic dependent launch (sm_90+) it loads the
+slot id and the slot's window before ``griddepcontrol.wait`` and the taps and the new input column (the
+predecessor's output) after it, where it also writes the window back: the predecessor (the input projection) writes
+none of the early data, and everything older has finished by the time a dependent launch lets this kernel start.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
+from ninfer.kernels.triton.norm_gemv import after_predecessor, conv_epilogue, conv_windows, launch_options, resolve_pdl
 
 
 @triton.jit
@@ -34,29 +35,14 @@ def _conv_update_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # this program's row, as the [1]-token tile of the helpers
     chans = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = chans < channels
-    raw_slot = tl.load(slots_ptr + row).to(tl.int64)
-    update = raw_slot >= 0  # a negative slot -1 - s reads slot s and leaves its window as it is
-    slot = tl.where(update, raw_slot, -1 - raw_slot)
-    window_ptr = cache_ptr + slot * cache_slot_stride + chans * WINDOW
-    taps_ptr = weight_ptr + chans * (WINDOW + 1)
-    pasts = ()
-    taps = ()
-    for j in tl.static_range(WINDOW):
-        pasts = pasts + (tl.load(window_ptr + j, mask=mask, other=0.0),)
-        taps = taps + (tl.load(taps_ptr + j, mask=mask, other=0.0).to(tl.float32),)
-    newest_tap = tl.load(taps_ptr + WINDOW, mask=mask, other=0.0).to(tl.float32)
-    after_predecessor(PDL)  # the taps and the window are not the predecessor's: they are already on their way
-    x = tl.load(x_ptr + row * x_stride + chans, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * newest_tap
-    for j in tl.static_range(WINDOW):
-        acc += pasts[j].to(tl.float32) * taps[j]
-        if j > 0:
-            tl.store(window_ptr + (j - 1), pasts[j], mask=mask & update)
-    tl.store(window_ptr + (WINDOW - 1), x.to(cache_ptr.dtype.element_ty), mask=mask & update)
-    tl.store(out_ptr + row * channels + chans, (acc * tl.sigmoid(acc)).to(x.dtype), mask=mask)
+    window_ptr, mask, update, pasts = conv_windows(cache_ptr, cache_slot_stride, slots_ptr, chans, t, t >= 0, channels,
+                                                   WINDOW)
+    after_predecessor(PDL)  # the windows are not the predecessor's: they are already on their way
+    x = tl.load(x_ptr + t[:, None] * x_stride + chans[None, :], mask=mask, other=0.0)
+    y = conv_epilogue(x, chans, weight_ptr, window_ptr, mask, update, pasts, WINDOW)
+    tl.store(out_ptr + t[:, None] * channels + chans[None, :], y, mask=mask)
 
 
 def _check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> int:

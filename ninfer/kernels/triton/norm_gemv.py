@@ -19,7 +19,8 @@ the weights stream while the previous kernel drains.
 
 The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``normed_product``,
 ``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
-``moe_persistent``), whose routers normalise their input the same way.
+``moe_persistent``), whose routers normalise their input the same way; ``conv_windows`` / ``conv_epilogue`` (the
+Gated DeltaNet conv step of ``ConvEpilogue``) with the conv decode kernel (``conv``).
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def dot_normed_rows_from(
 
 
 @triton.jit
-def _conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW: tl.constexpr):
+def conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW: tl.constexpr):
     """``(window pointers [TOKENS, ROWS], their mask, whether each row updates its slot [TOKENS, 1], the pasts)``
     of the conv epilogue: output columns ``rows`` below ``conv_channels`` of each token row's slot (a negative slot
     ``-1 - s`` reads slot ``s`` and is not written)."""
@@ -220,7 +221,7 @@ def _conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid,
 
 
 @triton.jit
-def _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
+def conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
     """``silu(causal conv)`` of the projected columns ``y [TOKENS, ROWS]`` (rounded activations) with their
     windows, which shift in place (``conv.causal_conv1d_update``'s arithmetic); columns past the conv keep ``y``."""
     taps_ptr = conv_weight_ptr + rows[None, :] * (WINDOW + 1)
@@ -251,7 +252,7 @@ def _add_norm_gemv_kernel(
     token_valid = t < tokens
     first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
     if CONV:  # the windows are not the predecessor's either (this kernel wrote them a step ago)
-        window_ptr, conv_mask, update, pasts = _conv_windows(
+        window_ptr, conv_mask, update, pasts = conv_windows(
             conv_cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW
         )
     after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
@@ -279,7 +280,7 @@ def _add_norm_gemv_kernel(
         )
     y = acc.to(out_ptr.dtype.element_ty)
     if CONV:
-        y = _conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
+        y = conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
     out = out_ptr + t[:, None] * out_features + rows[None, :]
     tl.store(out, y, mask=token_valid[:, None] & row_valid[None, :])
 
