@@ -248,7 +248,8 @@ def grouped_moe_forward(
     shared_expert_gate: torch.Tensor | None = None,
     use_grouped_mm: bool | None = None,
 ) -> torch.Tensor:
-    """``moe_forward``'s contract with the (token, expert) pairs sorted by expert and multiplied group by group.
+    """``moe_forward``'s contract with the (token, expert) pairs sorted by expert and multiplied group by group;
+    deterministic (each token's expert outputs are summed in slot order).
 
     ``use_grouped_mm`` (default: on CUDA bf16 when torch has it) selects ``torch._grouped_mm``; otherwise each
     non-empty expert segment is one ``F.linear`` (one host sync for the segment sizes).
@@ -264,8 +265,11 @@ def grouped_moe_forward(
     host_counts = None if use_grouped_mm else counts.tolist()
     gate, up = _grouped_matmul(x[token_of], gate_up, ends, host_counts).chunk(2, dim=-1)
     expert_out = _grouped_matmul(F.silu(gate) * up, down, ends, host_counts)
-    output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    output.index_add_(0, token_of, expert_out.float() * weights.reshape(-1)[order, None])
+    # back to (token, slot) order and summed over the slots in a fixed order, not scattered with atomic adds (whose
+    # order the device picks); on the H200 the 35B-A3B TTFT at 8192 went 250-262 -> 238 ms
+    weighted = torch.empty((order.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    weighted[order] = expert_out.float() * weights.reshape(-1)[order, None]
+    output = weighted.view(x.shape[0], top_k, x.shape[1]).sum(dim=1)
     if shared_gate is not None:
         if shared_up is None or shared_down is None or shared_expert_gate is None:
             raise ValueError("the shared expert needs shared_gate, shared_up, shared_down and shared_expert_gate")
