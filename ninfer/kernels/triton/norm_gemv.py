@@ -222,8 +222,9 @@ def conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, 
 
 @triton.jit
 def conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
-    """``silu(causal conv)`` of the projected columns ``y [TOKENS, ROWS]`` (rounded activations) with their
-    windows, which shift in place (``conv.causal_conv1d_update``'s arithmetic); columns past the conv keep ``y``."""
+    """``silu(y * tap[K-1] + sum_j pasts[j] * tap[j])`` (fp32, rounded to ``y``'s dtype) of the new columns ``y
+    [TOKENS, ROWS]`` with their windows (``conv_windows``), which shift in place to end with ``y`` where the row
+    updates its slot; columns past the conv keep ``y``. Twin: ``ninfer.kernels.conv.causal_conv1d``."""
     taps_ptr = conv_weight_ptr + rows[None, :] * (WINDOW + 1)
     acc = y.to(tl.float32) * tl.load(taps_ptr + WINDOW, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(WINDOW):
