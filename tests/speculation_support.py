@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ninfer.core.artifact import open_model_source
 from ninfer.core.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from ninfer.core.engine.loader import artifact_tokenizer, build_drafter, eos_token_ids
-from ninfer.core.engine.speculative import SpeculativeConfig
+from ninfer.core.engine.speculative import Draft, SpeculativeConfig
 from ninfer.core.runtime import LoadOptions
 
 MAX_CONTEXT = 256
@@ -71,3 +71,20 @@ def greedy_plain_then_speculative(
         results = run(engine, prompts, max_tokens, temperature=0.0)
         assert_idle(engine)
     return plain, results, drafter
+
+
+def reference_drafts(
+    rows: Sequence[Any], counts: Sequence[int], references: dict[tuple[int, ...], list[int]],
+    wrong: Callable[[int], bool], filler: int,
+) -> list[Draft]:
+    """Each row's next ``count`` tokens of its known continuation (``references``: prompt -> prompt + continuation;
+    ``filler`` past its end), each one made wrong (+1 mod 1000) where ``wrong(output position)``."""
+    drafts = []
+    for seq, count in zip(rows, counts):
+        reference = references[tuple(seq.prompt)]
+        tokens = []
+        for position in range(len(seq.tokens), len(seq.tokens) + count):
+            token = reference[position] if position < len(reference) else filler
+            tokens.append((token + 1) % 1000 if wrong(position - seq.prompt_len) else token)
+        drafts.append(Draft(tuple(tokens)))
+    return drafts

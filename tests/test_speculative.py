@@ -23,7 +23,7 @@ from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import KVCache, StateCache
 from ninfer.core.tiny import TinyOptions, write_tiny_artifact
 from live_server import start_servers
-from speculation_support import assert_idle, drafter_for, make_engine, open_tiny, run
+from speculation_support import assert_idle, drafter_for, make_engine, open_tiny, reference_drafts, run
 
 
 
@@ -85,17 +85,8 @@ class OracleDrafter:
         pass
 
     def draft(self, rows, counts) -> list[Draft]:
-        drafts = []
-        for seq, count in zip(rows, counts):
-            reference = self.references[tuple(seq.prompt)]
-            tokens = []
-            for index in range(len(seq.tokens), len(seq.tokens) + count):
-                token = reference[index] if index < len(reference) else 7
-                if self.corrupt == "all" or index - seq.prompt_len in self.corrupt:
-                    token = (token + 1) % 1000
-                tokens.append(token)
-            drafts.append(Draft(tuple(tokens)))
-        return drafts
+        wrong = (lambda position: True) if self.corrupt == "all" else self.corrupt.__contains__
+        return reference_drafts(rows, counts, self.references, wrong, filler=7)
 
 
 @pytest.fixture(scope="module")

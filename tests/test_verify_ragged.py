@@ -40,7 +40,7 @@ from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner  # noqa: E402
 from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 from ninfer.plugins.qwen3_5.runtime import Qwen35Runtime  # noqa: E402
 from ninfer.plugins.qwen3_5.verify_graph import VerifyGraphRunner, pad_batch  # noqa: E402
-from speculation_support import drafter_for, greedy_plain_then_speculative  # noqa: E402
+from speculation_support import drafter_for, greedy_plain_then_speculative, reference_drafts  # noqa: E402
 from test_decode_graph import _runtimes  # noqa: E402
 from test_verify_graph import TOL  # noqa: E402
 
@@ -283,15 +283,7 @@ class SteeredDrafter:
 
     def draft(self, rows: Any, counts: Any) -> list[Draft]:
         self.inner.draft(rows, counts)
-        drafts = []
-        for seq, count in zip(rows, counts):
-            reference = self.references[tuple(seq.prompt)]
-            tokens = []
-            for position in range(len(seq.tokens), len(seq.tokens) + count):
-                token = reference[position] if position < len(reference) else 0
-                tokens.append((token + 1) % 1000 if position - seq.prompt_len in WRONG_OUTPUTS else token)
-            drafts.append(Draft(tuple(tokens)))
-        return drafts
+        return reference_drafts(rows, counts, self.references, WRONG_OUTPUTS.__contains__, filler=0)
 
 
 @pytest.mark.parametrize(("backend", "k"), [("mtp", 3), ("dflash", 4), ("dflash2", 4)])
