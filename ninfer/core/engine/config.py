@@ -63,7 +63,9 @@ def _timeout(_instance: Any, _attribute: Any, value: Any) -> None:
 def _overrides(_instance: Any, _attribute: Any, value: Mapping[str, Any]) -> None:
     unknown = sorted(set(value) - {*SAMPLER_FIELDS, "seed"})
     if unknown:
-        raise ConfigError(f"engine option sampling_overrides: unknown sampler fields {unknown}", param="sampling_overrides")
+        raise ConfigError(
+            f"engine option sampling_overrides: unknown sampler fields {unknown}", param="sampling_overrides"
+        )
 
 
 @attrs.frozen
