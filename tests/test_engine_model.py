@@ -90,10 +90,11 @@ def test_prefix_reuse_does_not_change_outputs(tiny):
     assert cold.cached_tokens == cold_follow_up.cached_tokens == first.cached_tokens == 0
 
 
-def _overlap_scenario(tiny, overlap: bool) -> tuple[list, int]:
+def _overlap_scenario(tiny, overlap: bool | None, base_runtime=None, batched: bool = True) -> tuple[list, int]:
     """Requests whose every ending and insert the overlapped decode must get right: (outputs and cached tokens of
-    each, forwards launched ahead)."""
-    runtime = RecordingRuntime(tiny[1])
+    each, forwards launched ahead). ``batched``: also three requests at once (their rounds' composition depends on
+    when each is admitted, which a CUDA runtime's kernels see: leave them out there)."""
+    runtime = RecordingRuntime(base_runtime or tiny[1])
     prompt = prompts_of([30], seed=11)[0]
     results = []
     with make_engine(tiny, runtime, page_size=8, overlap_decode=overlap) as engine:
@@ -111,10 +112,10 @@ def _overlap_scenario(tiny, overlap: bool) -> tuple[list, int]:
         sampled = engine.submit(GenerationRequest(prompt, SamplingParams(
             temperature=0.9, seed=5, presence_penalty=0.7, frequency_penalty=0.3, max_tokens=10))).result(60)
         with_stop_string = engine.submit(greedy(prompt, 6, stop=("zzzz",))).result(60)
-        batch = [engine.submit(greedy(p, 9)) for p in prompts_of([5, 17, 8], seed=13)]
-        batched = [handle.result(60) for handle in batch]
+        batch = [engine.submit(greedy(p, 9)) for p in prompts_of([5, 17, 8], seed=13)] if batched else []
+        together = [handle.result(60) for handle in batch]
         for outcome in (first, stopped, resumed, closed, after_first, after_closed, sampled, with_stop_string,
-                        *batched):
+                        *together):
             results.append((outcome.output_token_ids, outcome.cached_tokens, outcome.finish_reason))
     return results, runtime.ahead
 
@@ -131,6 +132,21 @@ def test_overlapped_decode_gives_the_same_tokens_endings_and_checkpoints(tiny):
     closed = plain[3]
     assert closed[0][3:5] == (11, 12)  # the close sequence, inserted after the third token
     assert plain[4][1] == 30 + 10 - 1 and plain[5][1] == 30 + 8 - 1  # the endpoints end before the last token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlapped_decode_on_cuda_gives_the_same_tokens_endings_and_checkpoints(tiny):
+    """The same on the CUDA runtime (decode graphs, the masked conv / gated-delta kernels, pinned copies), where the
+    overlap is the default; one request at a time."""
+    registries = load_plugin_manager(entry_points=False).registries
+    runtime = registries.family_for(tiny[0].manifest).require("load_runtime")(
+        tiny[0], LoadOptions(device="cuda", dtype="float32")
+    )
+    plain, plain_ahead = _overlap_scenario(tiny, False, runtime, batched=False)
+    overlapped, ahead = _overlap_scenario(tiny, None, runtime, batched=False)
+    assert overlapped == plain
+    assert plain_ahead == 0 and ahead > 20
 
 
 def test_prefill_chunk_size_does_not_change_outputs(tiny):
