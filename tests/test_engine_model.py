@@ -97,7 +97,7 @@ def _overlap_scenario(tiny, overlap: bool | None, base_runtime=None, batched: bo
     runtime = RecordingRuntime(base_runtime or tiny[1])
     prompt = prompts_of([30], seed=11)[0]
     results = []
-    with make_engine(tiny, runtime, page_size=8, overlap_decode=overlap) as engine:
+    with make_engine(tiny, runtime, page_size=8, kv_capacity=8 * MAX_CONTEXT, overlap_decode=overlap) as engine:
         first = engine.submit(greedy(prompt, 10)).result(60)
         stop_id = first.output_token_ids[4]
         stopped = engine.submit(greedy(prompt, 10, stop_token_ids=(stop_id,))).result(60)
