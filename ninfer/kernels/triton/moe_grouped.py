@@ -310,6 +310,21 @@ def route_experts_add_norm(
     return _route(hidden, pending, norm_weight, eps, router, top_k, shared_expert_gate, workspace, tiles)
 
 
+def check_router(router: torch.Tensor, shared_expert_gate: torch.Tensor | None, top_k: int, hidden: int) -> int:
+    """The expert count of a valid router ``[E, H]`` (contiguous), optional shared expert gate ``[1, H]`` and
+    ``top_k`` in ``1..E``; raises ``ValueError`` naming the bad argument otherwise."""
+    num_experts = router.shape[0]
+    if router.shape[1] != hidden or router.stride() != (hidden, 1):
+        raise ValueError(f"router must be a contiguous [E, {hidden}]; got {tuple(router.shape)}")
+    if shared_expert_gate is not None and (
+        shared_expert_gate.shape != (1, hidden) or shared_expert_gate.stride(1) != 1
+    ):
+        raise ValueError(f"shared_expert_gate must be [1, {hidden}]; got {tuple(shared_expert_gate.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}; got {top_k}")
+    return num_experts
+
+
 def _route(
     x: torch.Tensor,
     pending: torch.Tensor | None,
@@ -324,16 +339,10 @@ def _route(
     """Launch the router over ``x``, or with ``norm_weight`` over the add+norm of ``x`` (the residual stream) and
     ``pending``; returns ``(routing, new hidden, normed)`` (``x`` for both without the norm)."""
     tokens, hidden = x.shape
-    num_experts = router.shape[0]
     if not 1 <= tokens <= MAX_TOKENS or x.stride(1) != 1:
         raise ValueError(f"x must be [N <= {MAX_TOKENS}, H] with contiguous rows; got {tuple(x.shape)}")
-    if router.shape[1] != hidden or router.stride() != (hidden, 1):
-        raise ValueError(f"router must be a contiguous [E, {hidden}]; got {tuple(router.shape)}")
+    num_experts = check_router(router, shared_expert_gate, top_k, hidden)
     has_gate = shared_expert_gate is not None
-    if has_gate and (shared_expert_gate.shape != (1, hidden) or shared_expert_gate.stride(1) != 1):
-        raise ValueError(f"shared_expert_gate must be [1, {hidden}]; got {tuple(shared_expert_gate.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts}; got {top_k}")
     tiles = tiles or default_tiles(tokens, x.device)
     device = x.device
     counters = _workspace(workspace, hidden, device)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.triton import interpreting, next_power_of_2
+from ninfer.kernels.triton.moe_grouped import check_router
 from ninfer.kernels.triton.norm_gemv import (
     accumulate,
     after_predecessor,
@@ -436,11 +437,7 @@ def persistent_moe_decode(
         raise ValueError(f"pending needs norm_weight and must be a contiguous [1, {width}]")
     if norm and (norm_weight.shape != (width,) or not norm_weight.is_contiguous()):
         raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
-    num_experts = router.shape[0]
-    if router.shape[1] != width or router.stride() != (width, 1):
-        raise ValueError(f"router must be a contiguous [E, {width}]; got {tuple(router.shape)}")
-    if shared_expert_gate.shape != (1, width) or shared_expert_gate.stride(1) != 1:
-        raise ValueError(f"shared_expert_gate must be [1, {width}]; got {tuple(shared_expert_gate.shape)}")
+    num_experts = check_router(router, shared_expert_gate, top_k, width)
     if gate_up.dim() != 3 or gate_up.shape[::2] != (num_experts, width) or not gate_up.is_contiguous():
         raise ValueError(f"gate_up must be a contiguous [{num_experts}, 2I, {width}]; got {tuple(gate_up.shape)}")
     inner = gate_up.shape[1] // 2
@@ -451,8 +448,6 @@ def persistent_moe_decode(
         raise ValueError(f"shared_gate_up must be a contiguous [2S, {width}]; got {tuple(shared_gate_up.shape)}")
     if shared_down.shape != (width, shared_inner) or not shared_down.is_contiguous():
         raise ValueError(f"shared_down must be a contiguous [{width}, {shared_inner}]; got {tuple(shared_down.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts}; got {top_k}")
     if workspace.dtype != torch.int32 or workspace.numel() < 1:
         raise ValueError("workspace must be a zeroed int32 tensor")
     device = hidden.device
