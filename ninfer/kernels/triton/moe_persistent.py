@@ -25,9 +25,12 @@ kernel and refuses a grid larger than the SMs hold by its registers and shared m
 kernel, launched early by programmatic dependent launch, start only after all of this grid's have (it fires the
 launch right after its own wait). Triton's CPU interpreter runs programs one after another, so there
 (``one_launch=False``) the same three phases run as three launches and the kernel boundaries are the barriers. The
-counter ends every call at zero. ``trace`` records each program's clock at the phase boundaries
-(``scripts/gpu_moe_sweep.py`` prints the profile). Twin: ``ninfer.kernels.moe.moe_forward`` (of
-``ninfer.kernels.norms.rms_norm`` of the sum with ``norm_weight``); rounding follows ``moe_grouped``.
+second barrier's last arrival sets the counter back to zero (the next call touches it only after its own
+predecessor wait, so after this grid has ended), so no program ends on an atomic: the 264 acquire-release atomics
+that reset it on the way out cost the H200 step 60 µs (docs/performance.md, round 9). ``trace`` records each
+program's clock at the phase boundaries (``scripts/gpu_moe_sweep.py`` prints the profile). Twin:
+``ninfer.kernels.moe.moe_forward`` (of ``ninfer.kernels.norms.rms_norm`` of the sum with ``norm_weight``); rounding
+follows ``moe_grouped``.
 """
 
 from __future__ import annotations
@@ -113,6 +116,20 @@ def _grid_barrier(counter_ptr, target):
 
 
 @triton.jit
+def _last_grid_barrier(counter_ptr, programs):
+    """The second barrier, which also resets the counter: its last arrival (the ``2 * programs``-th) sets it to
+    zero, and a waiter passes once it reads ``2 * programs`` or a value below ``programs`` (only the reset goes
+    there: after the first barrier the count stays in ``[programs, 2 * programs]``)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    if arrived == 2 * programs:
+        tl.atomic_xchg(counter_ptr, 0, sem="release", scope="gpu")
+    while arrived < 2 * programs and arrived >= programs:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _stamp(trace_ptr, index, TRACE: tl.constexpr):
     """With ``TRACE``: this program's SM clock (``%clock64``) into slot ``index`` of its trace row, and at the first
     and last point (0 and 8) the global nanosecond timer into slots 14 and 15 (``TRACE_SLOTS`` wide rows)."""
@@ -144,13 +161,15 @@ def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr
     bits = logits.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order like the floats
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    shared_gate = tl.load(logits_ptr + num_experts, cache_modifier=".cg")
     top = tl.topk(keys, TOP_K_PAD)
     slots = tl.arange(0, TOP_K_PAD)
     experts = tl.where(slots < TOP_K, BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32), 0)
-    chosen = tl.load(logits_ptr + experts, mask=slots < TOP_K, other=float("-inf"), cache_modifier=".cg")
-    weights = tl.exp(chosen - tl.max(chosen, axis=0))
+    top_ordered = (top >> 32).to(tl.int32)
+    chosen = (top_ordered ^ ((top_ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the keys' logits
+    weights = tl.exp(tl.where(slots < TOP_K, chosen, float("-inf")) - tl.max(chosen, axis=0))
     weights = weights / tl.sum(weights, axis=0)
-    return experts, weights, tl.load(logits_ptr + num_experts, cache_modifier=".cg")
+    return experts, weights, shared_gate
 
 
 @triton.jit
@@ -344,8 +363,8 @@ def _persistent_moe_kernel(
             DOWN_ROWS, BLOCK_I,
         )
     _stamp(trace_ptr, 6, TRACE)
-    if PHASE == -1:
-        _grid_barrier(counter_ptr, 2 * programs)
+    if PHASE == -1:  # the second barrier leaves the counter at zero for the next call
+        _last_grid_barrier(counter_ptr, programs)
     _stamp(trace_ptr, 7, TRACE)
     if PHASE == -1 or PHASE == 2:
         if pid < down_units:
@@ -368,9 +387,6 @@ def _persistent_moe_kernel(
                 shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
     _stamp(trace_ptr, 8, TRACE)
-    if PHASE == -1:  # the last program out resets the counter for the next call
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == 3 * programs - 1:
-            tl.atomic_xchg(counter_ptr, 0)
 
 
 _RESIDENT: dict[tuple, int] = {}  # resident_programs per launch configuration
