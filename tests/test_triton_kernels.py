@@ -7,10 +7,11 @@ non-zero, and outputs and untouched cache slots are checked element by element.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
 from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
 from ninfer.kernels.conv import causal_conv1d
@@ -179,6 +180,43 @@ def test_paged_attention_decode(split_tokens):
     ref = paged_attention(q, key_cache, value_cache, page_tables, [1] * rows, [t - 1 for t in totals])
     ref = ref.float() * torch.sigmoid(gate.float())
     assert rel_err(out.view(rows, query_heads, dim), ref) < TOL
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+def test_attention_decode_chain_with_programmatic_dependent_launch_in_a_graph_matches_plain_launches():
+    """The decode attention layer's launches after a GEMV that writes the projection and triggers its dependents
+    early (``act_gemv``): q/k norms + RoPE with the KV write, the split-K partials, their reduce with the gate, and
+    the output GEMV, each waiting only where it reads its predecessor's writes."""
+    from ninfer.kernels.triton.act_gemv import act_gemv, default_act_tiles
+
+    query_heads, kv_heads, dim, hidden = 16, 2, 256, 2048
+    rotary, page_size, rows = dim // 4, 16, 1
+    key_cache, value_cache, page_tables = _paged_setup(kv_heads, dim, page_size, (rows, 64), 64)
+    contexts = [300]
+    width = query_heads * 2 * dim + 2 * kv_heads * dim
+    entry, out_proj = randn(width, hidden, scale=0.02), randn(hidden, query_heads * dim, scale=0.02)
+    q_norm, k_norm = randn(dim, scale=0.1), randn(dim, scale=0.1)
+    positions = torch.tensor(contexts, device=DEVICE)[None, :].repeat(3, 1)
+    inv = rope_inverse_frequencies(rotary, 1e7, DEVICE)
+    section = (rotary // 2 - 2 * (rotary // 6), rotary // 6, rotary // 6)
+    axis = mrope_axis_of_frequency(rotary // 2, section, interleaved=True, device=DEVICE)
+    slot_mapping = paged_slot_mapping(page_tables, [1] * rows, contexts, page_size)
+    total_lens = torch.tensor([c + 1 for c in contexts], device=DEVICE, dtype=torch.int32)
+
+    def chain(x, pdl):
+        tiles = attrs.evolve(default_act_tiles(rows, DEVICE), pdl=pdl)
+        proj = act_gemv(x, entry, tiles=tiles)
+        q = qk_norm_rope_write_kv(
+            proj, q_norm, k_norm, positions, inv, axis, key_cache, value_cache, slot_mapping, 1e-6,
+            query_heads=query_heads, pdl=pdl,
+        )
+        gate = proj[:, : query_heads * 2 * dim].view(rows, query_heads, 2 * dim)[..., dim:]
+        attended = paged_attention_decode(
+            q, key_cache, value_cache, page_tables, total_lens, scale=dim**-0.5, gate=gate, pdl=pdl
+        )
+        return act_gemv(attended, out_proj, tiles=tiles)
+
+    assert_pdl_graph_matches_plain(chain, [randn(rows, hidden) for _ in range(3)])
 
 
 def test_moe_decode_pieces_match_moe_forward():

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.triton import next_power_of_2
+from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
 
 
 @triton.jit
@@ -35,6 +36,7 @@ def _qk_norm_rope_kernel(
     KV_HEADS: tl.constexpr,
     D: tl.constexpr,
     ROTARY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -58,18 +60,21 @@ def _qk_norm_rope_kernel(
     else:
         base = row + QUERY_HEADS * (2 * D) + (head - QUERY_HEADS) * D
         norm_ptr = k_norm_ptr
+    weight = tl.load(norm_ptr + d).to(tl.float32) + 1.0
+    weight_partner = tl.load(norm_ptr + partner).to(tl.float32) + 1.0
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    after_predecessor(PDL)  # only the projection row is the predecessor's
     raw = tl.load(base + d)
     x = raw.to(tl.float32)
     x_partner = tl.load(base + partner).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * rstd * (tl.load(norm_ptr + d).to(tl.float32) + 1.0)
-    y_partner = x_partner * rstd * (tl.load(norm_ptr + partner).to(tl.float32) + 1.0)
+    y = x * rstd * weight
+    y_partner = x_partner * rstd * weight_partner
     out = tl.where(rotated, y * cos + sign * y_partner * sin, y)
     if is_query:
         tl.store(q_out_ptr + (token * QUERY_HEADS + head) * D + d, out.to(raw.dtype))
     else:
         kv_head = head - QUERY_HEADS
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         cache_offset = (slot * KV_HEADS + kv_head) * D + d
         tl.store(key_cache_ptr + cache_offset, out.to(key_cache_ptr.dtype.element_ty))
         value = tl.load(row + QUERY_HEADS * (2 * D) + (KV_HEADS + kv_head) * D + d)
@@ -89,10 +94,13 @@ def qk_norm_rope_write_kv(
     eps: float,
     *,
     query_heads: int,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Normalise and rotate q and k of ``proj [T, Hq*2D + 2*Hkv*D]``; store k, v at ``slot_mapping [T]``.
 
     ``positions [3, T]`` are the MRoPE rows; the caches are ``[pages, page_size, Hkv, D]``. Returns q ``[T, Hq, D]``.
+    ``pdl``: programmatic dependent launch (None: where the device has it), the norms, positions and slots loaded
+    while the predecessor (which may write ``proj`` only) drains.
     """
     tokens = proj.shape[0]
     _, _, kv_heads, dim = key_cache.shape
@@ -103,11 +111,13 @@ def qk_norm_rope_write_kv(
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
     rotary = 2 * inverse_frequencies.shape[0]
+    pdl = resolve_pdl(pdl, proj.device)
     q = torch.empty((tokens, query_heads, dim), dtype=proj.dtype, device=proj.device)
     _qk_norm_rope_kernel[(tokens, query_heads + kv_heads)](
         proj, proj.stride(0), q_norm, k_norm, positions, positions.stride(0), inverse_frequencies, axis_of_frequency,
         q, key_cache, value_cache, slot_mapping, eps,
-        QUERY_HEADS=query_heads, KV_HEADS=kv_heads, D=dim, ROTARY=rotary, num_warps=2 if dim <= 256 else 4,
+        QUERY_HEADS=query_heads, KV_HEADS=kv_heads, D=dim, ROTARY=rotary, PDL=pdl,
+        num_warps=2 if dim <= 256 else 4, **launch_options(pdl),
     )
     return q
 
@@ -135,6 +145,7 @@ def _partial_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one row's KV for all ``TOKENS x GROUP`` queries of a KV head (decode: ``TOKENS`` 1), causal
     among the row's new tokens; writes the split's running max, sum and unnormalised output per query."""
@@ -144,6 +155,7 @@ def _partial_kernel(
     total = tl.load(total_lens_ptr + row)
     context = total - TOKENS
     start = split * SPLIT
+    after_predecessor(PDL)  # the predecessor writes the queries and the new tokens' KV
     if start < total:
         m = tl.arange(0, M_PAD)  # query m of this KV head: the row's token m // GROUP, query head m % GROUP
         valid_query = m < TOKENS * GROUP
@@ -203,6 +215,7 @@ def _reduce_kernel(
     SPLIT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge one query's split results (running max, sum, output) into its attention output, times sigmoid(gate)."""
     token = tl.program_id(0).to(tl.int64)
@@ -211,6 +224,9 @@ def _reduce_kernel(
     base = (token * QUERY_HEADS + head) * num_splits
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
+    if HAS_GATE:  # from the projection, two launches back: not the predecessor's
+        gate = tl.load(gate_ptr + token * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
+    after_predecessor(PDL)  # the predecessor writes the split results
     best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
     for first in range(0, used, BLOCK_S):
         m = tl.load(partial_max_ptr + base + first + s, mask=first + s < used, other=float("-inf"))
@@ -227,7 +243,6 @@ def _reduce_kernel(
         acc += tl.sum(part * weight[:, None], axis=0)
     out = acc / tl.sum(total_sum, axis=0)
     if HAS_GATE:
-        gate = tl.load(gate_ptr + token * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
         out = out * tl.sigmoid(gate)
     tl.store(out_ptr + (token * QUERY_HEADS + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -250,15 +265,19 @@ def paged_attention_decode(
     scale: float,
     gate: torch.Tensor | None = None,
     split_tokens: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One query token per row attends to its first ``total_lens[row]`` cached tokens (the new one included).
 
     ``q [B, Hq, D]``; caches ``[pages, page_size, Hkv, D]``; ``page_tables [B, P]`` and ``total_lens [B]`` are
     int32 or int64 on the device. ``gate [B, Hq, D]`` (any strides, unit last stride) multiplies the output by
     sigmoid(gate). The grid covers ``P * page_size`` tokens, so the launch never depends on host-side lengths.
-    Returns ``[B, Hq*D]``.
+    ``pdl``: programmatic dependent launch (None: where the device has it); the predecessor may write ``q`` and
+    the new tokens' KV only. Returns ``[B, Hq*D]``.
     """
-    return _attend(q, key_cache, value_cache, page_tables, total_lens, total_lens, 1, scale, gate, split_tokens)
+    return _attend(
+        q, key_cache, value_cache, page_tables, total_lens, total_lens, 1, scale, gate, split_tokens, pdl
+    )
 
 
 def paged_attention_verify(
@@ -272,13 +291,14 @@ def paged_attention_verify(
     scale: float,
     gate: torch.Tensor | None = None,
     split_tokens: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``tokens_per_row`` query tokens per row (a speculative verify) over the row's paged KV, causal among them.
 
     Row r's new tokens are ``q[r*n : (r+1)*n]`` (``q [R*n, Hq, D]``, contiguous); their KV is already in the pages
     after the row's ``context_lens[r]`` cached tokens, and new token i attends to the cached tokens and new tokens
     ``<= i``. Each program reads one split of one row's KV once for all its ``n x Hq/Hkv`` queries. Caches, page
-    tables, ``gate`` and the fixed grid are as in :func:`paged_attention_decode`. Returns ``[R*n, Hq*D]``.
+    tables, ``gate``, ``pdl`` and the fixed grid are as in :func:`paged_attention_decode`. Returns ``[R*n, Hq*D]``.
     """
     rows = context_lens.shape[0]
     if tokens_per_row < 1 or rows * tokens_per_row != q.shape[0]:
@@ -287,7 +307,7 @@ def paged_attention_verify(
     token_lens = (context_lens[:, None] + torch.arange(1, tokens_per_row + 1, device=q.device)).reshape(-1)
     total_lens = context_lens + tokens_per_row
     return _attend(q, key_cache, value_cache, page_tables, total_lens, token_lens, tokens_per_row, scale, gate,
-                   split_tokens)
+                   split_tokens, pdl)
 
 
 def _attend(
@@ -301,6 +321,7 @@ def _attend(
     scale: float,
     gate: torch.Tensor | None,
     split_tokens: int | None,
+    pdl: bool | None,
 ) -> torch.Tensor:
     """The split-K launches: per (row, KV head, split) the partial kernel, then per (token, query head) the reduce
     over the ``token_lens[token]`` keys' splits (with the output gate)."""
@@ -314,6 +335,7 @@ def _attend(
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"gate must be [T, Hq, D] = {tuple(q.shape)} with a unit last stride")
     max_tokens = page_tables.shape[1] * page_size
+    pdl = resolve_pdl(pdl, q.device)
     split = split_tokens or decode_split_tokens(max_tokens)
     num_splits = triton.cdiv(max_tokens, split)
     group = query_heads // kv_heads
@@ -330,13 +352,14 @@ def _attend(
         q, key_cache, value_cache, page_tables, page_tables.stride(0), total_lens,
         partial_out, partial_max, partial_sum, scale, page_size, num_splits,
         TOKENS=tokens_per_row, QUERY_HEADS=query_heads, KV_HEADS=kv_heads, GROUP=group, M_PAD=m_pad, D=dim,
-        BLOCK_N=block_n, SPLIT=split, IEEE=q.dtype == torch.float32, num_warps=warps,
+        BLOCK_N=block_n, SPLIT=split, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=warps, **launch_options(pdl),
     )
     out = torch.empty((tokens, query_heads * dim), dtype=q.dtype, device=q.device)
     _reduce_kernel[(tokens, query_heads)](
         partial_out, partial_max, partial_sum, token_lens,
         gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
         gate.stride(1) if gate is not None else 0, out, num_splits,
-        QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, num_warps=4,
+        QUERY_HEADS=query_heads, D=dim, SPLIT=split, BLOCK_S=16, HAS_GATE=gate is not None, PDL=pdl, num_warps=4,
+        **launch_options(pdl),
     )
     return out

@@ -276,7 +276,9 @@ def _check_inputs(
 ) -> None:
     _, _, _, key_dim, _, value_dim = check_shapes(q, k, v, g, beta, initial_state)
     if not fused_dims_supported(key_dim, value_dim):
-        raise ValueError(f"the fused kernels need power-of-two head dims in [16, 128]; got Dk={key_dim}, Dv={value_dim}")
+        raise ValueError(
+            f"the fused kernels need power-of-two head dims in [16, 128]; got Dk={key_dim}, Dv={value_dim}"
+        )
     if len({t.device for t in (q, k, v, g, beta)}) != 1:
         raise ValueError("q, k, v, g and beta must be on one device")
 
