@@ -437,11 +437,16 @@ class Executor:
         host_ids = HostCopy(ids)  # queued before the forward below, so it does not wait for it
         feeds = [not _ends_at_limit(seq) for seq in rows]
         width = max(len(seq.stop_token_ids) for seq in rows) or 1
-        stops = torch.tensor(
-            [[*sorted(seq.stop_token_ids), *[-1] * (width - len(seq.stop_token_ids))] for seq in rows],
-            dtype=ids.dtype,
+        # one host table, one copy: column 0 whether the row feeds its token, then its stop ids (padded with -1)
+        table = to_device(
+            torch.tensor(
+                [[int(feed), *sorted(seq.stop_token_ids), *[-1] * (width - len(seq.stop_token_ids))]
+                 for feed, seq in zip(feeds, rows)],
+                dtype=ids.dtype,
+            ),
+            ids.device,
         )
-        update = to_device(torch.tensor(feeds), ids.device) & ~(ids[:, None] == to_device(stops, ids.device)).any(1)
+        update = table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens) + 1)
         batch = build_ahead_batch(rows, ids, update)
