@@ -114,6 +114,7 @@ def run_preset(
     result: dict = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_tok_s_1": roofline_1,
                     "roofline_tok_s_8": roofline_8, "decode_1": {}}
     decoder = runtime.decoder
+    default_segments = decoder.graph_segments
     for segments in segments_options if decode else []:
         decoder.graph_segments = segments
         decoder._graphs.clear()  # recapture with the new segmentation, in a fresh memory pool
@@ -131,7 +132,7 @@ def run_preset(
         result["decode_1"][str(segments)] = entry
         print(name, "segments", segments, json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
     if decode:
-        decoder.graph_segments = 4
+        decoder.graph_segments = default_segments
         decoder._graphs.clear()
         decoder._pool = None
         elapsed, _, replay_8 = bench_ninfer_decode(runtime, prompts, STEPS, clock)

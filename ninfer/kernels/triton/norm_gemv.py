@@ -63,10 +63,12 @@ def default_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
 
 
 def default_gated_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
-    """The tiles of ``gated_norm_gemv``: 2 output rows over 16 heads of 128 per step at one row (the fastest on the
-    H200), 2 heads with 32-row dot tiles for more."""
+    """The tiles of ``gated_norm_gemv``: 8 output rows over 16 heads of 128 per step and 8 warps at one row (the
+    fastest of 9 in the 35B-A3B decode step on the H200: graphs 2.306 -> 2.234 ms against 2 rows and 4 warps, which
+    won in isolation; the 27B step is the same with either, docs/performance.md round 10), 2 heads with 32-row dot
+    tiles for more."""
     if tokens == 1:
-        return GemvTiles(rows=2, block_k=2048, warps=4, stages=2, pdl=pdl_supported(device))
+        return GemvTiles(rows=8, block_k=2048, warps=8, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
 
 

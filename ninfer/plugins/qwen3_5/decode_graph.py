@@ -5,11 +5,13 @@ slots), so it has no host syncs and no control flow that depends on tensor value
 updated in place. The first step of a batch size (and page-table width bucket) runs eagerly and serves as warm-up;
 the step is captured right after it and replayed from then on. With graphs disabled the same kernels run eagerly.
 
-The captured step is split into ``graph_segments`` graphs of consecutive layers, launched one after the other, of
-1, 4, 16, ... layers (the last takes the rest, ``segment_bounds``). The GPU starts a graph only once its launch call
-returns, and that call costs the host up to ~0.1 ms for a whole step (27B on the H200: its cuBLAS nodes), so the
-first graph is one layer: the GPU starts on it at once and each later launch is hidden behind the GPU time of the
-graph before it (each step waits for its token on the host, so nothing else hides the first).
+The captured step can be split into ``graph_segments`` graphs of consecutive layers, launched one after the other,
+of 1, 4, 16, ... layers (the last takes the rest, ``segment_bounds``). The GPU starts a graph only once its launch
+call returns, which costs the host up to ~0.1 ms for a whole step, so when every step waits for its token on the
+host a one-layer first graph lets the GPU start at once. With overlapped decode (the engine's CUDA default) the next
+step is launched while this one runs, so the default is one graph: each segment boundary is a gap that no
+programmatic dependent launch bridges (35B-A3B on the H200: graphs 2.306 -> 2.284 ms, overlapped step 2.351 ->
+2.327 ms against 4 segments, the plain step unchanged; docs/performance.md round 10).
 
 For batches of at most ``norm_gemv_rows`` rows the norms fold into the GEMVs that read them (``norm_gemv``): the
 input add+RMSNorm into the mixer's input projection, the Gated DeltaNet output norm into its out projection, and
@@ -163,7 +165,7 @@ class DecodeGraphRunner:
         *,
         use_graphs: bool = True,
         max_batch: int = 64,
-        graph_segments: int = 4,
+        graph_segments: int = 1,
         grouped_moe_rows: int = 1,
         gdn_value_split: int = 4,
         norm_gemv_rows: int = 0,

@@ -72,8 +72,7 @@ class Qwen35Runtime:
             from ninfer.plugins.qwen3_5 import verify_graph  # imported here: CPU installs lack triton
 
             self.verifier = verify_graph.VerifyGraphRunner(
-                decoder.model, decoder.fused, use_graphs=decoder.use_graphs, max_batch=decoder.max_batch,
-                graph_segments=decoder.graph_segments,
+                decoder.model, decoder.fused, use_graphs=decoder.use_graphs, max_batch=decoder.max_batch
             )
         self.spec = runtime_spec(model.config, model.dtype, model.device)
 
