@@ -22,14 +22,14 @@ import attrs
 import torch
 
 from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
-from ninfer.kernels.triton import act_gemv, moe_persistent, norm_gemv
+from ninfer.kernels.triton import act_gemv, attention, moe_persistent, norm_gemv
 from ninfer.kernels.triton.norm_gemv import GemvTiles
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 STEPS = 32
 PATCHED = (
     (norm_gemv, "default_tiles"), (norm_gemv, "default_gated_tiles"), (act_gemv, "default_act_tiles"),
-    (moe_persistent, "default_tiles"),
+    (moe_persistent, "default_tiles"), (attention, "decode_split_tokens"),
 )
 ORIGINAL = {key: getattr(*key) for key in PATCHED}
 
@@ -58,12 +58,20 @@ def moe_tiles(**changes) -> Callable[[object], None]:
                                                                                                  **changes))
 
 
+def split_minimum(tokens: int) -> Callable[[object], None]:
+    """A variant whose decode attention splits the keys into chunks of at least ``tokens`` (default 64)."""
+    original = ORIGINAL[PATCHED[4]]
+    return lambda decoder: setattr(attention, "decode_split_tokens", lambda most, **k: original(most, minimum=tokens))
+
+
 GATED, ACT, ENTRY = PATCHED[1], PATCHED[2], PATCHED[0]
 SEGMENTS_1 = decoder_attribute("graph_segments", 1)
 VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "base": (),
     "round 9 defaults": (tiles_of(GATED, 2, 2048), decoder_attribute("graph_segments", 4)),
     "moe 2-row units": (moe_tiles(gate_up_rows=2),),
+    "split 16": (split_minimum(16),),
+    "split 32": (split_minimum(32),),
     "segments 1": (SEGMENTS_1,),
     "segments 2": (decoder_attribute("graph_segments", 2),),
     "value split 2": (decoder_attribute("gdn_value_split", 2),),
