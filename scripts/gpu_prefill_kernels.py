@@ -22,23 +22,16 @@ CONV_SHAPES = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128
 HEADS, DIM, CHANNELS, WINDOW = 48, 128, 10240, 3
 
 
-def median_us(run, repeats: int = 20) -> float:
+def median_us(clock: Clock, run, repeats: int = 20) -> float:
     run()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+    return statistics.median(clock.measure(run) for _ in range(repeats)) * 1e3
 
 
 def main(tokens: str = "8192") -> int:
     length = int(tokens)
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device, Clock(device))
+    clock = Clock(device)
+    bandwidth = copy_bandwidth(device, clock)
     x = torch.randn(1, length, CHANNELS, device=device, dtype=torch.bfloat16)
     weight = torch.randn(CHANNELS, WINDOW + 1, device=device, dtype=torch.bfloat16)
     state = torch.randn(1, CHANNELS, WINDOW, device=device, dtype=torch.bfloat16)
@@ -47,7 +40,7 @@ def main(tokens: str = "8192") -> int:
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; conv [1, {length}, {CHANNELS}]: bytes {bytes_us:.1f} us")
     for block_t, block_c, warps in CONV_SHAPES:
         grid = (1, triton.cdiv(length, block_t), triton.cdiv(CHANNELS, block_c))
-        us = median_us(lambda: _conv_prefill_kernel[grid](
+        us = median_us(clock, lambda: _conv_prefill_kernel[grid](
             x, weight, state, out, length, CHANNELS, WINDOW=WINDOW, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps
         ))
         print(f"  conv tiles {block_t}x{block_c} w{warps}: {us:.1f} us ({bytes_us / us:.0%} of bytes)")
@@ -59,7 +52,7 @@ def main(tokens: str = "8192") -> int:
     print(f"gated norm [{length}, {HEADS}, {DIM}]: bytes {bytes_us:.1f} us")
     for elements in (norms.GATED_NORM_ELEMENTS, DIM, 4096, 8192):
         norms.GATED_NORM_ELEMENTS = elements
-        us = median_us(lambda: norms.gated_rms_norm(core, z, norm_weight, 1e-6))
+        us = median_us(clock, lambda: norms.gated_rms_norm(core, z, norm_weight, 1e-6))
         print(f"  gated norm {elements // DIM} heads per program: {us:.1f} us ({bytes_us / us:.0%} of bytes)")
     return 0
 

@@ -9,13 +9,11 @@ longest idle gaps on the device with the host op running when each began. Writes
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from pathlib import Path
 
 import torch
-from gpu_step_trace import device_intervals, host_ops
+from gpu_step_trace import device_intervals, export_trace, host_ops
 from torch.profiler import ProfilerActivity, profile
 
 from ninfer.bench_synthetic import Rows
@@ -63,12 +61,7 @@ def main(out_dir: str, preset: str, prompt_len: str = "8192") -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with torch.profiler.record_function(MARK):
                 rows.forward([prompt])
-    path = out / f"prefill_trace_{preset}.json"
-    prof.export_chrome_trace(str(path))
-    trace = json.loads(path.read_text())
-    with gzip.open(out / f"prefill_trace_{preset}.json.gz", "wt") as handle:
-        json.dump(trace, handle)
-    path.unlink()
+    trace = export_trace(prof, out / f"prefill_trace_{preset}.json")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     for line in timeline(trace):
         print(line)

@@ -28,6 +28,16 @@ STEPS = 6
 CONTEXT = 256
 
 
+def export_trace(prof: profile, path: Path) -> dict:
+    """The profiler's Chrome trace, written gzipped beside ``path`` (``<path>.gz``) and returned."""
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    with gzip.open(path.with_name(path.name + ".gz"), "wt") as handle:
+        json.dump(trace, handle)
+    path.unlink()
+    return trace
+
+
 def device_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every kernel and memcpy on the device, in start order."""
     spans = [
@@ -116,12 +126,7 @@ def trace_runtime(runtime, name: str, out: Path) -> None:
             for step in range(STEPS):
                 with torch.profiler.record_function(f"bench_step_{step}"):
                     tokens = rows.forward(list(tokens[:, None]))
-    path = out / f"trace_{name}.json"
-    prof.export_chrome_trace(str(path))
-    trace = json.loads(path.read_text())
-    with gzip.open(out / f"trace_{name}.json.gz", "wt") as handle:
-        json.dump(trace, handle)
-    path.unlink()
+    trace = export_trace(prof, out / f"trace_{name}.json")
     print(f"== {name}: host ops by self CPU time ({STEPS} steps)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     for line in analyse(trace, STEPS):
