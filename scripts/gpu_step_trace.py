@@ -1,8 +1,11 @@
 """Host and device timeline of batch-1 benchmark decode steps (CUDA only): where the time outside the graphs goes.
 
-Usage (CUDA machine): ``python scripts/gpu_step_trace.py OUT_DIR qwen3.6-35b-a3b [...]``. For each preset (random
-bf16 weights) it runs the benchmark's decode loop (``Rows.forward``: ``runtime.forward`` on the captured graphs,
-greedy argmax, token to the host), then profiles ``STEPS`` steps with torch.profiler (CPU and CUDA) and prints:
+Usage (CUDA machine): ``python scripts/gpu_step_trace.py OUT_DIR [--overlap] qwen3.6-35b-a3b [...]``. For each
+preset (random bf16 weights) it runs the benchmark's decode loop (``Rows.forward``: ``runtime.forward`` on the
+captured graphs, greedy argmax, token to the host; with ``--overlap`` the overlapped loop of
+``bench_ninfer_decode(overlap=True)``: each step launched on the previous step's ids while they are still on the
+device, the host waiting only for their copy), then profiles ``STEPS`` steps with torch.profiler (CPU and CUDA) and
+prints:
 
 * the host ops by self CPU time per step;
 * per step: wall time, the device busy time (union of kernel intervals) and the idle gaps on the device longer than
@@ -22,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ninfer.bench_synthetic import Rows
+from ninfer.core.engine.transfer import HostCopy
 from ninfer.plugins.qwen3_5.synthetic import random_runtime
 
 STEPS = 6
@@ -105,14 +109,24 @@ def critical_path(trace: dict, step: str = "bench_step_3", top: int = 20) -> lis
     return lines
 
 
-def run(name: str, out: Path) -> None:
+def overlapped_step(rows: Rows, ids: torch.Tensor) -> torch.Tensor:
+    """One overlapped benchmark step: the next step launched on ``ids`` (still on the device), then the host waits
+    only for their copy; returns the next step's ids."""
+    copy = HostCopy(ids)
+    following = rows.forward_ahead(ids)
+    copy.wait()
+    return following
+
+
+def run(name: str, out: Path, overlap: bool = False) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     runtime = random_runtime(name, device=device)
-    trace_runtime(runtime, name, out)
+    trace_runtime(runtime, name, out, overlap)
 
 
-def trace_runtime(runtime, name: str, out: Path) -> None:
-    """Profile ``STEPS`` benchmark steps of ``runtime``; print the tables, write ``trace_<name>.json.gz``."""
+def trace_runtime(runtime, name: str, out: Path, overlap: bool = False) -> None:
+    """Profile ``STEPS`` benchmark steps of ``runtime`` (``overlap``: overlapped ones); print the tables, write
+    ``trace_<name>.json.gz``."""
     device = runtime.model.device
     vocab = runtime.config.vocab_size
     rows = Rows(runtime, 1, CONTEXT + STEPS + 16)
@@ -122,10 +136,16 @@ def trace_runtime(runtime, name: str, out: Path) -> None:
             tokens = rows.forward(list(tokens[:, None]))
         if device.type == "cuda":
             torch.cuda.synchronize()
+        ids = tokens.to(device)
+        for _ in range(4 if overlap else 0):  # the first overlapped steps allocate pinned buffers
+            ids = overlapped_step(rows, ids)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for step in range(STEPS):
                 with torch.profiler.record_function(f"bench_step_{step}"):
-                    tokens = rows.forward(list(tokens[:, None]))
+                    if overlap:
+                        ids = overlapped_step(rows, ids)
+                    else:
+                        tokens = rows.forward(list(tokens[:, None]))
     trace = export_trace(prof, out / f"trace_{name}.json")
     print(f"== {name}: host ops by self CPU time ({STEPS} steps)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
@@ -135,11 +155,12 @@ def trace_runtime(runtime, name: str, out: Path) -> None:
         print(line)
 
 
-def main(out_dir: str, *names: str) -> int:
+def main(out_dir: str, *args: str) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        run(name, out)
+    overlap = "--overlap" in args
+    for name in (arg for arg in args if arg != "--overlap"):
+        run(name, out, overlap)
         torch.cuda.empty_cache()
     return 0
 
