@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from gpu_chunk_bandwidth import CALLS, HIDDEN, INNER, ROWS, SELECTED, unit_offsets
+from gpu_chunk_bandwidth import CALLS, EXPERTS, HIDDEN, INNER, ROWS, SELECTED, unit_offsets
 from gpu_moe_tune import graph_us
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -24,7 +24,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ninfer.bench_synthetic import Clock, copy_bandwidth
 
 BOX = 256  # columns per TMA copy (a box dimension holds at most 256 elements)
-EXPERTS = 256
 SHAPES = [(1, 6, 8), (1, 4, 8), (2, 3, 8), (2, 2, 8), (1, 6, 4)]  # (programs per SM, stages, warps)
 
 
