@@ -5,7 +5,8 @@ Usage (repo root)::
     python scripts/gpu_decode_knobs.py OUT_DIR qwen3.6-35b-a3b ["gated 8x2048" ...]
 
 Each variant changes one knob of the captured step (graph segments, the Gated DeltaNet value split, the tiles of the
-gated out projection, of ``act_gemv`` or of the norm-fused entry projections at one row), recaptures the graphs and
+gated out projection, of ``act_gemv``, of the norm-fused entry projections at one row or of the persistent MoE, the
+decode attention's split), recaptures the graphs and
 measures graphs back to back and the overlapped step (all variants, or those named); ``base`` runs first and
 last. Prints a table last; writes ``knobs_<preset>.json``. Tiles found in-step are what the defaults should be
 (isolated sweeps miss the overlap with the predecessor under programmatic dependent launch).
