@@ -98,8 +98,7 @@ def step(name: str, device: torch.device, clock: Clock, tuned: tuple[int, ...] |
             lambda tokens, dev="cpu", t=tile: attrs.evolve(DEFAULT_TILES(tokens, dev), rows=t[0], block_k=t[1],
                                                            warps=t[2], stages=t[3]) if tokens == 1
             else DEFAULT_TILES(tokens, dev))
-        decoder._graphs.clear()
-        decoder._pool = None
+        decoder.reset()
         try:
             elapsed, _, replay_ms = bench_ninfer_decode(runtime, prompt, 32, clock)
         except Exception:

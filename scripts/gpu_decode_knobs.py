@@ -121,8 +121,7 @@ def main(out_dir: str, preset: str, *names: str) -> int:
             setattr(decoder, attribute, value)
         for change in VARIANTS[name]:
             change(decoder)
-        decoder._graphs.clear()
-        decoder._pool = None
+        decoder.reset()
         torch.cuda.synchronize()
         elapsed, tokens, replay = bench_ninfer_decode(runtime, prompt, STEPS, clock)
         overlapped, _, _ = bench_ninfer_decode(runtime, prompt, STEPS, clock, overlap=True)

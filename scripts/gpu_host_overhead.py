@@ -117,8 +117,7 @@ def run_preset(
     default_segments = decoder.graph_segments
     for segments in segments_options if decode else []:
         decoder.graph_segments = segments
-        decoder._graphs.clear()  # recapture with the new segmentation, in a fresh memory pool
-        decoder._pool = None
+        decoder.reset()  # recapture with the new segmentation, in a fresh memory pool
         try:
             elapsed, _, replay_ms = bench_ninfer_decode(runtime, prompts[:1], STEPS, clock)
             entry = {"bench_step_ms": elapsed / STEPS, "replay_ms": replay_ms}
@@ -133,8 +132,7 @@ def run_preset(
         print(name, "segments", segments, json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
     if decode:
         decoder.graph_segments = default_segments
-        decoder._graphs.clear()
-        decoder._pool = None
+        decoder.reset()
         elapsed, _, replay_8 = bench_ninfer_decode(runtime, prompts, STEPS, clock)
         result["decode_8"] = {"tok_s": 8 * STEPS / (elapsed / 1e3), "replay_ms": replay_8}
         result["decode_8"]["of_roofline"] = result["decode_8"]["tok_s"] / roofline_8

@@ -138,8 +138,7 @@ def step_variants(device: torch.device, clock: Clock, best: PersistentTiles | No
     for label, persistent, tiles in variants:
         moe_persistent.default_tiles = DEFAULT_TILES if tiles is None else (lambda dev="cpu", t=tiles: t)
         decoder.persistent_moe = persistent
-        decoder._graphs.clear()
-        decoder._pool = None
+        decoder.reset()
         elapsed, _, replay_ms = bench_ninfer_decode(runtime, prompt, 32, clock)
         entry = {"step_ms": elapsed / 32, "replay_ms": replay_ms, "step_of_roofline": roofline_ms / (elapsed / 32),
                  "replay_of_roofline": roofline_ms / replay_ms}
@@ -147,8 +146,7 @@ def step_variants(device: torch.device, clock: Clock, best: PersistentTiles | No
         print(f"step {label}: " + json.dumps({k: round(v, 4) for k, v in entry.items()}), flush=True)
     moe_persistent.default_tiles = DEFAULT_TILES if best is None else (lambda dev="cpu": best)
     decoder.persistent_moe = True
-    decoder._graphs.clear()
-    decoder._pool = None
+    decoder.reset()
     trace_runtime(runtime, PRESET, out)
     moe_persistent.default_tiles = DEFAULT_TILES
     return result

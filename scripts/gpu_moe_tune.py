@@ -279,8 +279,7 @@ def whole_step(device: torch.device, clock: Clock, tuned: dict) -> dict:
     def configure(settings: dict) -> None:
         decoder.grouped_moe_rows, decoder.gdn_value_split = settings["grouped_moe_rows"], settings["gdn_value_split"]
         use_tiles(tuned, settings["pdl"])
-        decoder._graphs.clear()  # recapture with these kernels, in a fresh memory pool
-        decoder._pool = None
+        decoder.reset()  # recapture with these kernels, in a fresh memory pool
 
     for rows in ROWS:
         roofline_ms = step_bytes(runtime, rows, 256 + 4) / bandwidth * 1e3

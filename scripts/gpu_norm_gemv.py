@@ -273,8 +273,7 @@ def whole_step(name: str, clock: Clock, choice: dict, profile: bool) -> dict:
         rows_limit, ffn, tuned = STEP_VARIANTS[label]
         decoder.norm_gemv_rows, decoder.norm_gemv_ffn = rows_limit, ffn
         use_tiles(choice if tuned else None)
-        decoder._graphs.clear()  # recapture with these kernels, in a fresh memory pool
-        decoder._pool = None
+        decoder.reset()  # recapture with these kernels, in a fresh memory pool
 
     for rows in ROWS:
         roofline_ms = step_bytes(runtime, rows, CONTEXT + 4) / bandwidth * 1e3

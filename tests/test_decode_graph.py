@@ -126,6 +126,8 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
         assert len(graphs._graphs) == 3  # one per batch size, replayed on the later steps
         for replay_ssm, eager_ssm in zip(graph_caches.state.ssm, ours.state.ssm):
             assert rel_err(replay_ssm, eager_ssm) < 1e-6
+        graphs.reset()
+        assert not any(graphs.captured(rows) for rows in (1, 2, 3))  # the next step of each size captures again
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])

@@ -217,6 +217,12 @@ class DecodeGraphRunner:
         self._eager_inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
 
+    def reset(self) -> None:
+        """Drop every captured decode step (after a change of its kernels or launch shapes); their memory pool goes
+        with them, and the next step of each batch size captures again."""
+        self._graphs.clear()
+        self._pool = None
+
     def supports(self, batch: ForwardBatch) -> bool:
         """A pure decode batch (one new token per row, no state capture) this runner can take."""
         return (
