@@ -166,8 +166,8 @@ def test_qk_norm_rope_write_kv():
     assert torch.equal(value_cache, before_v)
 
 
-@pytest.mark.parametrize("split_tokens", [None, 32])
-def test_paged_attention_decode(split_tokens):
+@pytest.mark.parametrize("split_tokens, lens_dtype", [(None, torch.int32), (32, torch.int64), (128, torch.int64)])
+def test_paged_attention_decode(split_tokens, lens_dtype):
     query_heads, kv_heads, dim = (24, 4, 256) if BIG else (4, 2, 32)
     page_size, rows, pages_per_row = 16, 4, 20
     key_cache, value_cache, page_tables = _paged_setup(kv_heads, dim, page_size, (rows, pages_per_row), 100)
@@ -175,7 +175,7 @@ def test_paged_attention_decode(split_tokens):
     q = randn(rows, query_heads, dim)
     gate_source = randn(rows, query_heads, 2 * dim)
     gate = gate_source[..., dim:]
-    total_lens = torch.tensor(totals, device=DEVICE, dtype=torch.int32)
+    total_lens = torch.tensor(totals, device=DEVICE, dtype=lens_dtype)
     out = paged_attention_decode(
         q, key_cache, value_cache, page_tables, total_lens, scale=dim**-0.5, gate=gate, split_tokens=split_tokens
     )

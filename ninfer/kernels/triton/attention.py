@@ -148,13 +148,22 @@ def _partial_kernel(
     PDL: tl.constexpr,
 ):
     """One split of one row's KV for all ``TOKENS x GROUP`` queries of a KV head (decode: ``TOKENS`` 1), causal
-    among the row's new tokens; writes the split's running max, sum and unnormalised output per query."""
+    among the row's new tokens; writes the split's running max, sum and unnormalised output per query. The first
+    block's cached keys and values are loaded before the predecessor wait (it writes only the new tokens' KV)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     total = tl.load(total_lens_ptr + row)
     context = total - TOKENS
     start = split * SPLIT
+    end = tl.minimum(start + SPLIT, total)
+    page_row = page_tables_ptr + row * page_tables_stride
+    index = start + tl.arange(0, BLOCK_N)
+    valid = index < end
+    offsets = _kv_offsets(page_row, index, valid, page_size, kv_head, KV_HEADS, D)
+    cached = (valid & (index < context))[:, None]
+    first_k = tl.load(key_cache_ptr + offsets, mask=cached, other=0.0)
+    first_v = tl.load(value_cache_ptr + offsets, mask=cached, other=0.0)
     after_predecessor(PDL)  # the predecessor writes the queries and the new tokens' KV
     if start < total:
         m = tl.arange(0, M_PAD)  # query m of this KV head: the row's token m // GROUP, query head m % GROUP
@@ -168,35 +177,54 @@ def _partial_kernel(
         running_max = tl.full((M_PAD,), float("-inf"), tl.float32)
         running_sum = tl.zeros((M_PAD,), tl.float32)
         acc = tl.zeros((M_PAD, D), tl.float32)
-        end = tl.minimum(start + SPLIT, total)
-        for block in range(start, end, BLOCK_N):
-            index = block + tl.arange(0, BLOCK_N)
-            valid = index < end
-            page = tl.load(page_tables_ptr + row * page_tables_stride + index // page_size, mask=valid, other=0)
-            slot = page.to(tl.int64) * page_size + index % page_size
-            offsets = (slot * KV_HEADS + kv_head)[:, None] * D + d[None, :]
-            k = tl.load(key_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-            scores = tl.where(valid[None, :] & (index[None, :] < visible_end[:, None]), scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            # a query may see nothing in this split yet (its keys end before it): keep its sums at zero, not NaN
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            alpha = tl.exp(running_max - shift)
-            p = tl.exp(scores - shift[:, None])
-            running_sum = running_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(value_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            running_max = new_max
+        fresh = (valid & (index >= context))[:, None]
+        k = tl.where(fresh, tl.load(key_cache_ptr + offsets, mask=fresh, other=0.0), first_k)
+        v = tl.where(fresh, tl.load(value_cache_ptr + offsets, mask=fresh, other=0.0), first_v)
+        running_max, running_sum, acc = _attend_block(
+            q, k, v, index, valid, visible_end, running_max, running_sum, acc, scale, IEEE
+        )
+        for block in range(start + BLOCK_N, end, BLOCK_N):
+            later = block + tl.arange(0, BLOCK_N)
+            later_valid = later < end
+            later_offsets = _kv_offsets(page_row, later, later_valid, page_size, kv_head, KV_HEADS, D)
+            running_max, running_sum, acc = _attend_block(
+                q, tl.load(key_cache_ptr + later_offsets, mask=later_valid[:, None], other=0.0),
+                tl.load(value_cache_ptr + later_offsets, mask=later_valid[:, None], other=0.0), later, later_valid,
+                visible_end, running_max, running_sum, acc, scale, IEEE,
+            )
         stat = (token * QUERY_HEADS + heads) * num_splits + split
         tl.store(partial_max_ptr + stat, running_max, mask=valid_query)
         tl.store(partial_sum_ptr + stat, running_sum, mask=valid_query)
         tl.store(partial_out_ptr + stat[:, None] * D + d[None, :], acc, mask=valid_query[:, None])
+
+
+@triton.jit
+def _kv_offsets(page_row, index, valid, page_size, kv_head, KV_HEADS: tl.constexpr, D: tl.constexpr):
+    """Element offsets ``[BLOCK_N, D]`` of one KV head's cache rows for the row's token positions ``index``."""
+    page = tl.load(page_row + index // page_size, mask=valid, other=0)
+    slot = page.to(tl.int64) * page_size + index % page_size
+    return (slot * KV_HEADS + kv_head)[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _attend_block(q, k, v, index, valid, visible_end, running_max, running_sum, acc, scale, IEEE: tl.constexpr):
+    """One block of keys and values into the queries' running max, sum and unnormalised output (online softmax)."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+    scores = tl.where(valid[None, :] & (index[None, :] < visible_end[:, None]), scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # a query may see nothing in this split yet (its keys end before it): keep its sums at zero, not NaN
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    alpha = tl.exp(running_max - shift)
+    p = tl.exp(scores - shift[:, None])
+    running_sum = running_sum * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return new_max, running_sum, acc
 
 
 @triton.jit
@@ -227,21 +255,23 @@ def _reduce_kernel(
     if HAS_GATE:  # from the projection, two launches back: not the predecessor's
         gate = tl.load(gate_ptr + token * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
     after_predecessor(PDL)  # the predecessor writes the split results
-    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for first in range(0, used, BLOCK_S):
-        m = tl.load(partial_max_ptr + base + first + s, mask=first + s < used, other=float("-inf"))
-        best = tl.maximum(best, m)
-    global_max = tl.max(best, axis=0)
-    total_sum = tl.zeros((BLOCK_S,), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)  # one pass: the running maximum rescales what is summed so far
+    total = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)
     for first in range(0, used, BLOCK_S):
         index = first + s
         valid = index < used
-        weight = tl.exp(tl.load(partial_max_ptr + base + index, mask=valid, other=float("-inf")) - global_max)
-        total_sum += weight * tl.load(partial_sum_ptr + base + index, mask=valid, other=0.0)
+        split_max = tl.load(partial_max_ptr + base + index, mask=valid, other=float("-inf"))
+        split_sum = tl.load(partial_sum_ptr + base + index, mask=valid, other=0.0)
         part = tl.load(partial_out_ptr + (base + index)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        acc += tl.sum(part * weight[:, None], axis=0)
-    out = acc / tl.sum(total_sum, axis=0)
+        new_best = tl.maximum(best, tl.max(split_max, axis=0))
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        correction = tl.exp(best - shift)
+        weight = tl.exp(split_max - shift)
+        total = total * correction + tl.sum(weight * split_sum, axis=0)
+        acc = acc * correction + tl.sum(part * weight[:, None], axis=0)
+        best = new_best
+    out = acc / total
     if HAS_GATE:
         out = out * tl.sigmoid(gate)
     tl.store(out_ptr + (token * QUERY_HEADS + head) * D + d, out.to(out_ptr.dtype.element_ty))
@@ -336,18 +366,19 @@ def _attend(
         raise ValueError(f"gate must be [T, Hq, D] = {tuple(q.shape)} with a unit last stride")
     max_tokens = page_tables.shape[1] * page_size
     pdl = resolve_pdl(pdl, q.device)
-    split = split_tokens or decode_split_tokens(max_tokens)
-    num_splits = triton.cdiv(max_tokens, split)
     group = query_heads // kv_heads
     m_pad = max(16, next_power_of_2(tokens_per_row * group))
+    if tokens_per_row == 1:  # decode: a split is one block of keys, held across the wait (8 warps: no spills)
+        block_n, warps = (32 if dim >= 256 else 64), 8
+        split = split_tokens or decode_split_tokens(max_tokens, minimum=block_n)
+    else:  # 16 keys per step at 8 warps keeps the [M_PAD, 256] accumulator in registers (sm_90: no spill at 32)
+        block_n, warps = (16, 8) if m_pad * dim >= 8192 else (64, 4)
+        split = split_tokens or decode_split_tokens(max_tokens)
+    num_splits = triton.cdiv(max_tokens, split)
     stats_shape = (tokens, query_heads, num_splits)
     partial_max = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
     partial_out = torch.empty((*stats_shape, dim), dtype=torch.float32, device=q.device)
-    if tokens_per_row == 1:  # decode: the keys per step measured fastest in round 1
-        block_n, warps = (32 if dim >= 256 else 64), 4
-    else:  # 16 keys per step at 8 warps keeps the [M_PAD, 256] accumulator in registers (sm_90: no spill at 32)
-        block_n, warps = (16, 8) if m_pad * dim >= 8192 else (64, 4)
     _partial_kernel[(rows, kv_heads, num_splits)](
         q, key_cache, value_cache, page_tables, page_tables.stride(0), total_lens,
         partial_out, partial_max, partial_sum, scale, page_size, num_splits,
