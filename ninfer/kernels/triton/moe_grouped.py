@@ -41,6 +41,7 @@ from ninfer.kernels.triton.norm_gemv import (
     dot_normed_rows_from,
     inverse_rms,
     launch_options,
+    norm_weights,
     pdl_supported,
     token_block,
     weight_tile,
@@ -234,6 +235,8 @@ def _router_kernel(
     start = part * slice_width
     stop = tl.minimum(start + slice_width, hidden)
     first_tile = weight_tile(w_rows, row_valid, start, stop, BLOCK_K)
+    first_cols = start + tl.arange(0, BLOCK_K)
+    first_weights = norm_weights(norm_weight_ptr, first_cols, (first_cols < stop) & NORM)
     after_predecessor(PDL)  # the router rows are not the predecessor's: their first tile is already on its way
     t = tl.arange(0, TOKENS)
     token_valid = t < tokens
@@ -242,7 +245,8 @@ def _router_kernel(
         pending_rows = pending_ptr + t * pending_stride
         rstd = inverse_rms(x_rows, pending_rows, token_valid, hidden, eps, HAS_PENDING, TOKENS, BLOCK_K)
         partial = dot_normed_rows_from(
-            first_tile, x_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start, stop,
+            first_tile, first_weights, x_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid,
+            start, stop,
             hidden_out_ptr + t * hidden, normed_out_ptr + t * hidden, tl.program_id(0) == 0, HAS_PENDING, True,
             TOKENS, ROWS, BLOCK_K,
         )

@@ -46,6 +46,7 @@ from ninfer.kernels.triton.norm_gemv import (
     accumulate,
     after_predecessor,
     launch_options,
+    norm_weights,
     normed_product,
     pdl_supported,
     summed_tile,
@@ -174,12 +175,13 @@ def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr
 
 @triton.jit
 def _router_phase(
-    router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, logits_ptr,
+    router_tile, weights, rows, row_valid, hidden_ptr, pending_ptr, hidden_out_ptr, normed_ptr, logits_ptr,
     hidden, eps, write_out, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``), rounded as activations; with
-    ``write_out`` the new residual stream and the normed row are stored for the expert phases."""
+    """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``, with the norm ``weights`` loaded
+    beforehand), rounded as activations; with ``write_out`` the new residual stream and the normed row are stored for
+    the expert phases."""
     cols = tl.arange(0, BLOCK_H)
     t = tl.arange(0, 1)
     mask = (cols < hidden)[None, :]
@@ -189,8 +191,8 @@ def _router_phase(
         values = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(values * values, axis=1) / hidden + eps)
         logits = normed_product(
-            logits, router_tile, x, cols, cols < hidden, mask, norm_weight_ptr, rstd, hidden_out_ptr + t,
-            normed_ptr + t, write_out, HAS_PENDING, True, 1,
+            logits, router_tile, x, cols, mask, weights, rstd, hidden_out_ptr + t, normed_ptr + t, write_out,
+            HAS_PENDING, True, 1,
         )
     else:
         logits = accumulate(logits, x, router_tile, 1)
@@ -314,6 +316,8 @@ def _persistent_moe_kernel(
         row_valid = rows < num_experts + 1
         w_rows = tl.where(rows < num_experts, router_ptr + rows.to(tl.int64) * hidden, expert_gate_ptr)
         router_tile = weight_tile(w_rows, row_valid, 0, hidden, BLOCK_H)
+        cols = tl.arange(0, BLOCK_H)
+        weights = norm_weights(norm_weight_ptr, cols, (cols < hidden) & NORM)
     if PHASE == -1 or PHASE == 1:
         gate_tile, up_tile = _gate_up_tiles(
             pid, 0, shared_units, tl.zeros((TOP_K_PAD,), tl.int32), gate_up_ptr, shared_gate_up_ptr, hidden, inner,
@@ -323,7 +327,7 @@ def _persistent_moe_kernel(
     _stamp(trace_ptr, 1, TRACE)
     if PHASE <= 0:
         _router_phase(
-            router_tile, rows, row_valid, hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr,
+            router_tile, weights, rows, row_valid, hidden_ptr, pending_ptr, hidden_out_ptr, normed_ptr,
             logits_ptr, hidden, eps, pid == 0, NORM, HAS_PENDING, ROUTER_ROWS, BLOCK_H,
         )
     _stamp(trace_ptr, 2, TRACE)

@@ -17,8 +17,8 @@ reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependen
 sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
 the weights stream while the previous kernel drains.
 
-The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``normed_product``,
-``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
+The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``norm_weights``,
+``normed_product``, ``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
 ``moe_persistent``), whose routers normalise their input the same way; ``conv_windows`` / ``conv_epilogue`` (the
 Gated DeltaNet conv step of ``ConvEpilogue``) with the conv decode kernel (``conv``).
 """
@@ -139,13 +139,22 @@ def inverse_rms(
 
 
 @triton.jit
+def norm_weights(norm_weight_ptr, cols, col_valid):
+    """The norm weights of ``cols`` (zero past the row), for ``normed_product``: a program whose first columns do
+    not depend on its predecessor loads them before ``after_predecessor``, so they are not a dependent load after
+    the norm's reduction."""
+    return tl.load(norm_weight_ptr + cols, mask=col_valid, other=0.0)
+
+
+@triton.jit
 def normed_product(
-    acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
+    acc, w, summed, cols, mask, weights, rstd, hidden_out_rows, normed_out_rows, write_out,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """``acc += normed[:, cols] @ w^T`` for a weight tile ``w [ROWS, len(cols)]`` and the rows' ``summed`` tile
-    (``summed_tile``); with ``write_out`` the tile's new residual stream (and normed rows) are stored too."""
-    scale = tl.load(norm_weight_ptr + cols, mask=col_valid, other=0.0).to(tl.float32) + 1.0
+    """``acc += normed[:, cols] @ w^T`` for a weight tile ``w [ROWS, len(cols)]``, the rows' ``summed`` tile
+    (``summed_tile``) and the columns' norm ``weights`` (``norm_weights``); with ``write_out`` the tile's new residual
+    stream (and normed rows) are stored too."""
+    scale = weights.to(tl.float32) + 1.0
     normed = (summed.to(tl.float32) * rstd[:, None] * scale[None, :]).to(summed.dtype)
     if HAS_PENDING:
         tl.store(hidden_out_rows[:, None] + cols[None, :], summed, mask=mask & write_out)
@@ -169,8 +178,8 @@ def dot_normed_rows(
         mask = token_valid[:, None] & col_valid[None, :]
         summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
         acc = normed_product(
-            acc, w, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows, write_out,
-            HAS_PENDING, KEEP_NORMED, TOKENS,
+            acc, w, summed, cols, mask, norm_weights(norm_weight_ptr, cols, col_valid), rstd, hidden_out_rows,
+            normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
         )
     return acc
 
@@ -185,19 +194,18 @@ def weight_tile(w_rows, row_valid, start, stop, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def dot_normed_rows_from(
-    first_tile, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, start, stop,
-    hidden_out_rows, normed_out_rows, write_out,
+    first_tile, first_weights, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid,
+    start, stop, hidden_out_rows, normed_out_rows, write_out,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """``dot_normed_rows`` from a zero accumulator whose first step multiplies ``first_tile`` (``weight_tile`` at
-    ``start``) instead of loading it."""
+    ``start``) with the norm weights ``first_weights`` (``norm_weights`` there) instead of loading them."""
     cols = start + tl.arange(0, BLOCK_K)
-    col_valid = cols < stop
-    mask = token_valid[:, None] & col_valid[None, :]
+    mask = token_valid[:, None] & (cols < stop)[None, :]
     summed = summed_tile(hidden_rows, pending_rows, cols, mask, HAS_PENDING)
     acc = normed_product(
-        tl.zeros((TOKENS, ROWS), tl.float32), first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd,
+        tl.zeros((TOKENS, ROWS), tl.float32), first_tile, summed, cols, mask, first_weights, rstd,
         hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
     )
     return dot_normed_rows(
@@ -254,11 +262,12 @@ def _add_norm_gemv_kernel(
     t = tl.arange(0, TOKENS)
     token_valid = t < tokens
     first_tile = weight_tile(w_rows, row_valid, 0, width, BLOCK_K)
+    first_weights = norm_weights(norm_weight_ptr, cols, col_valid)
     if CONV:  # the windows are not the predecessor's either (this kernel wrote them a step ago)
         window_ptr, conv_mask, update, pasts = conv_windows(
             conv_cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, conv_channels, WINDOW
         )
-    after_predecessor(PDL)  # the weights are not the predecessor's: their first tile is already on its way
+    after_predecessor(PDL)  # the weights are not the predecessor's: their first tile (and norm weights) on its way
     hidden_rows = hidden_ptr + t * hidden_stride
     pending_rows = pending_ptr + t * pending_stride
     mask = token_valid[:, None] & col_valid[None, :]
@@ -273,8 +282,8 @@ def _add_norm_gemv_kernel(
     write_out = tl.program_id(0) == 0
     acc = tl.zeros((TOKENS, ROWS), tl.float32)
     acc = normed_product(
-        acc, first_tile, summed, cols, col_valid, mask, norm_weight_ptr, rstd, hidden_out_rows, normed_out_rows,
-        write_out, HAS_PENDING, KEEP_NORMED, TOKENS,
+        acc, first_tile, summed, cols, mask, first_weights, rstd, hidden_out_rows, normed_out_rows, write_out,
+        HAS_PENDING, KEEP_NORMED, TOKENS,
     )
     if not WHOLE_ROW:
         acc = dot_normed_rows(
