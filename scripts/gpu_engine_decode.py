@@ -28,11 +28,15 @@ def request(seed: int, vocab: int) -> GenerationRequest:
     return GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
 
 
+def engine_config(overlap: bool) -> EngineConfig:
+    """Room for ``ROWS`` requests of ``PROMPT + NEW`` tokens, no prefix reuse, no queue timeout."""
+    return EngineConfig(max_concurrency=ROWS, max_context=PROMPT + NEW + 16, kv_capacity=ROWS * (PROMPT + NEW + 16),
+                        prefix_reuse=False, pending_timeout_ms=None, overlap_decode=overlap)
+
+
 def measure(runtime, overlap: bool) -> dict:
     vocab = runtime.spec.vocab_size
-    config = EngineConfig(max_concurrency=ROWS, max_context=PROMPT + NEW + 16, kv_capacity=ROWS * (PROMPT + NEW + 16),
-                          prefix_reuse=False, pending_timeout_ms=None, overlap_decode=overlap)
-    with Engine(runtime, config) as engine:
+    with Engine(runtime, engine_config(overlap)) as engine:
         engine.submit(request(0, vocab)).result(600)
         engine.submit(request(1, vocab)).result(600)  # a second warm-up: the graphs are captured by now
         one = engine.submit(request(2, vocab)).result(600)

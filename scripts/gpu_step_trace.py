@@ -9,7 +9,8 @@ prints:
 
 * the host ops by self CPU time per step;
 * per step: wall time, the device busy time (union of kernel intervals) and the idle gaps on the device longer than
-  5 µs with the host op running when each began.
+  5 µs with the host op running when each began;
+* each kernel's share of one step (``critical_path``) and the work between graph replays (``between_graphs``).
 
 ``trace_<preset>.json.gz`` is the Chrome trace of those steps.
 """
@@ -109,6 +110,48 @@ def critical_path(trace: dict, step: str = "bench_step_3", top: int = 20) -> lis
     return lines
 
 
+def between_graphs(trace: dict) -> list[str]:
+    """What the device runs between consecutive CUDA graph replays (a decode step's work outside its graph): the
+    time from one replay's last kernel to the next replay's first, over all boundaries, and for the median boundary
+    the operations launched outside any graph in it and the idle time."""
+    events = trace["traceEvents"]
+    launches = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("ph") == "X" and e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})
+    }
+    device = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("correlation"))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    replays: dict[int, tuple[float, float]] = {}
+    boundaries, pending, graph_end = [], [], None
+    for start, end, name, correlation in device:
+        if correlation not in launches:
+            pending.append((name, end - start))
+            continue
+        first, last = replays.get(correlation, (start, end))
+        replays[correlation] = (min(first, start), max(last, end))
+        if graph_end is not None and pending:
+            boundaries.append((start - graph_end, sum(duration for _, duration in pending), pending))
+        pending = []
+        graph_end = end if graph_end is None else max(graph_end, end)
+    if not boundaries:
+        return ["no two graph replays with work between them"]
+    boundaries.sort(key=lambda boundary: boundary[0])
+    span, busy, ops = boundaries[len(boundaries) // 2]
+    replay_spans = sorted(last - first for first, last in replays.values())
+    lines = [
+        f"graph replays: {len(replay_spans)}, median span {replay_spans[len(replay_spans) // 2]:.1f} us",
+        f"between graph replays: {len(boundaries)} boundaries, median {span:.1f} us (min {boundaries[0][0]:.1f}, "
+        f"max {boundaries[-1][0]:.1f}); the median one: {busy:.1f} us of {len(ops)} operations, "
+        f"{span - busy:.1f} us idle:"
+    ]
+    lines += [f"  {duration:7.2f} us  {name[:70]}" for name, duration in ops]
+    return lines
+
+
 def overlapped_step(rows: Rows, ids: torch.Tensor) -> torch.Tensor:
     """One overlapped benchmark step: the next step launched on ``ids`` (still on the device), then the host waits
     only for their copy; returns the next step's ids."""
@@ -152,6 +195,8 @@ def trace_runtime(runtime, name: str, out: Path, overlap: bool = False) -> None:
     for line in analyse(trace, STEPS):
         print(line)
     for line in critical_path(trace):
+        print(line)
+    for line in between_graphs(trace):
         print(line)
 
 
