@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_moe_sweep import Blocks
+from gpu_moe_sweep import Blocks, phase_spans
 from gpu_moe_tune import CALLS, TOP_K, graph_us
 
 from ninfer.bench_synthetic import Clock, bench_ninfer_decode, copy_bandwidth, step_bytes
@@ -57,15 +57,8 @@ def block_profile(module, blocks: Blocks, clock: Clock, reference: torch.Tensor)
     programs = module.default_programs(device)
     traces = [torch.zeros(programs, module.TRACE_SLOTS, dtype=torch.int64, device=device) for _ in range(CALLS)]
     graph_us([lambda i=i: call(i, traces[i]) for i in range(CALLS)], clock)
-    stamps = torch.stack(traces).double().cpu()
-    points = len(module.TRACE_POINTS)
-    cycles_per_ns = ((stamps[:, :, points - 1] - stamps[:, :, 0]) / (stamps[:, :, 15] - stamps[:, :, 14])).median()
-    phases = {}
-    for k in range(1, points):
-        span = (stamps[:, :, k] - stamps[:, :, k - 1]) / cycles_per_ns / 1e3
-        phases[module.TRACE_POINTS[k]] = (
-            round(float(span.median(dim=1).values.median()), 2), round(float(span.max(dim=1).values.median()), 2)
-        )
+    _, spans = phase_spans(torch.stack(traces).double().cpu(), len(module.TRACE_POINTS))
+    phases = {module.TRACE_POINTS[k]: (round(median, 2), round(slowest, 2)) for k, (median, slowest) in spans.items()}
     return {"us": us, "rel_err_vs_grouped": error, "phases": phases}
 
 

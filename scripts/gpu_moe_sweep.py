@@ -100,6 +100,18 @@ def block_sweep(blocks: Blocks, clock: Clock) -> tuple[dict, PersistentTiles]:
     return table, best
 
 
+def phase_spans(stamps: torch.Tensor, points: int) -> tuple[float, dict[int, tuple[float, float]]]:
+    """From trace stamps ``[calls, programs, TRACE_SLOTS]`` with ``points`` clock points: the SM clock's cycles per
+    ns and, per phase ``k`` (point ``k - 1`` to ``k``), the median over calls of the median and of the slowest
+    program's microseconds."""
+    cycles_per_ns = ((stamps[:, :, points - 1] - stamps[:, :, 0]) / (stamps[:, :, 15] - stamps[:, :, 14])).median()
+    spans = {}
+    for k in range(1, points):
+        us = (stamps[:, :, k] - stamps[:, :, k - 1]) / cycles_per_ns / 1e3
+        spans[k] = (float(us.median(dim=1).values.median()), float(us.max(dim=1).values.median()))
+    return float(cycles_per_ns), spans
+
+
 def phase_profile(blocks: Blocks, clock: Clock, tiles: PersistentTiles) -> dict:
     """Per phase of the persistent kernel: median over blocks of the median and the slowest program's microseconds;
     the span of a block (first start to last end) and the gap from one block's last end to the next one's first
@@ -109,14 +121,10 @@ def phase_profile(blocks: Blocks, clock: Clock, tiles: PersistentTiles) -> dict:
     traces = [torch.zeros(programs, TRACE_SLOTS, dtype=torch.int64, device=device) for _ in range(CALLS)]
     graph_us([lambda i=i: blocks.persistent(i, tiles, traces[i]) for i in range(CALLS)], clock)
     stamps = torch.stack(traces).double().cpu()  # [calls, programs, slots]
-    points = len(TRACE_POINTS)
-    cycles_per_ns = ((stamps[:, :, points - 1] - stamps[:, :, 0]) / (stamps[:, :, 15] - stamps[:, :, 14])).median()
-    profile: dict = {"cycles_per_ns": float(cycles_per_ns)}
-    for k in range(1, points):
-        us = (stamps[:, :, k] - stamps[:, :, k - 1]) / cycles_per_ns / 1e3
-        profile[f"{TRACE_POINTS[k - 1]} -> {TRACE_POINTS[k]}"] = {
-            "median_us": float(us.median(dim=1).values.median()), "slowest_us": float(us.max(dim=1).values.median()),
-        }
+    cycles_per_ns, spans = phase_spans(stamps, len(TRACE_POINTS))
+    profile: dict = {"cycles_per_ns": cycles_per_ns}
+    for k, (median_us, slowest_us) in spans.items():
+        profile[f"{TRACE_POINTS[k - 1]} -> {TRACE_POINTS[k]}"] = {"median_us": median_us, "slowest_us": slowest_us}
     starts, ends = stamps[:, :, 14], stamps[:, :, 15]
     profile["block_span_us"] = float(((ends.max(dim=1).values - starts.min(dim=1).values) / 1e3).median())
     profile["gap_us"] = float(((starts.min(dim=1).values[1:] - ends.max(dim=1).values[:-1]) / 1e3).median())
