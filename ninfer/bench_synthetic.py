@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ninfer.core.engine.sampler import greedy_token_ids
 from ninfer.core.engine.transfer import HostCopy
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
@@ -140,7 +141,7 @@ class Rows:
         )
         output = self.runtime.forward(batch, self.kv, self.state)
         self.lengths = [c + len(t) for c, t in zip(contexts, chunks)]
-        return output.logits.argmax(dim=-1).cpu()
+        return greedy_token_ids(output.logits).cpu()
 
     def forward_ahead(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed every row its token of ``tokens [R]``, still on the device (the last step's greedy ids, not yet on
@@ -158,7 +159,7 @@ class Rows:
         )
         output = self.runtime.forward(batch, self.kv, self.state)
         self.lengths = [c + 1 for c in contexts]
-        return output.logits.argmax(dim=-1)
+        return greedy_token_ids(output.logits)
 
 
 def bench_ninfer_decode(

@@ -237,6 +237,32 @@ def test_kernel_greedy_takes_the_first_of_equal_maxima():
     assert sample_rows(logits, zeros, zeros, zeros + 1, zeros, zeros, chunk=512).tolist() == [40, 40]
 
 
+@kernel_test
+@pytest.mark.parametrize("rows, vocab, vocab_limit, chunk", [(1, BIG_VOCAB, None, None), (5, 3000, 2990, 512)])
+def test_kernel_greedy_rows_match_the_twin_and_the_sampler_at_temperature_zero(rows, vocab, vocab_limit, chunk):
+    from ninfer.kernels.triton.sampling import greedy_rows, sample_rows
+
+    batch = random_batch(rows, vocab, seed=rows, penalized=1)
+    logits = batch["logits"]
+    logits[0, [vocab // 3, 5, vocab // 2]] = logits.max() + 1.0  # equal maxima: the first column wins
+    got = greedy_rows(logits, vocab_limit, chunk=chunk)
+    assert got.dtype == torch.int64 and got.device == logits.device
+    assert got.tolist() == twin.greedy_rows(logits, vocab_limit).tolist()
+    assert got[0] == 5
+    zeros = torch.zeros(rows, dtype=torch.float64, device=DEVICE)
+    sampled = sample_rows(logits, zeros, zeros, zeros + 1, zeros, zeros, vocab_limit=vocab_limit, chunk=chunk)
+    assert got.tolist() == sampled.tolist()
+
+
+def test_twin_greedy_rows_is_the_temperature_zero_rule_below_the_vocab_limit():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(8))
+    logits[:, 45] = 100.0  # above the limit: never chosen
+    zeros = torch.zeros(3, dtype=torch.float64)
+    expected = twin.sample_rows(logits, zeros, zeros, zeros + 1, zeros, zeros, vocab_limit=40)
+    assert twin.greedy_rows(logits, 40).tolist() == expected.tolist()
+    assert (twin.greedy_rows(logits) == 45).all()
+
+
 @pytest.fixture
 def fresh_row_sampler():
     """``sample_tokens`` resolves its row sampler once per process: resolve it again inside the test."""

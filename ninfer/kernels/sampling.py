@@ -108,6 +108,15 @@ def sample_rows(
     return torch.where(sampled, sampled_ids, greedy_ids)
 
 
+def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+    """The argmax id of each row of ``logits [R, V]`` below ``vocab_limit`` (the first among equal maxima): what
+    :func:`sample_rows` picks when every row has temperature 0 and none is penalized."""
+    _check_rows(logits)
+    if vocab_limit is not None and vocab_limit < logits.shape[1]:
+        logits = logits[:, : max(1, vocab_limit)]
+    return logits.argmax(dim=-1)
+
+
 def _check_rows(logits: torch.Tensor, *per_row: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [rows, vocab] with a non-empty vocabulary; got shape {tuple(logits.shape)}")

@@ -8,7 +8,8 @@ sampled with the request's own generator. One uniform draw per sampled token fro
 generator makes a seeded request reproduce regardless of what it is batched with.
 
 The rule itself lives in ``ninfer.kernels.sampling`` (vectorised over rows); this module turns the rows'
-``RowSampler`` state into its per-row tensors and routes CUDA logits to the Triton twin of that rule.
+``RowSampler`` state into its per-row tensors and routes CUDA logits to the Triton twin of that rule (a batch of
+greedy rows without penalties to a plain argmax, which needs no per-row tensors).
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def sample_token_ids(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_lim
         raise ValueError(
             f"logits must be [rows, vocab] with one row per sampler; got {tuple(logits.shape)} for {len(rows)} rows"
         )
-    table = to_device(parameter_table(rows, draw=True), logits.device)
     penalty = stacked_penalties(rows)
+    if penalty is None and all(row.greedy for row in rows):  # no parameters to copy, a plain argmax
+        return greedy_token_ids(logits, vocab_limit)
+    table = to_device(parameter_table(rows, draw=True), logits.device)
     return _row_sampler(logits.device.type)(
         logits,
         table[_TEMPERATURE],
@@ -134,6 +137,12 @@ def sample_token_ids(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_lim
         penalty_rows=None if penalty is None else table[_PENALTY_ROW],
         vocab_limit=vocab_limit,
     )
+
+
+def greedy_token_ids(logits: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+    """The argmax id of each row of ``logits`` below ``vocab_limit`` as int64 ``[R]`` on the logits' device (the
+    Triton kernel for CUDA logits when triton is available): what greedy rows without penalties sample."""
+    return _greedy_sampler(logits.device.type)(logits, vocab_limit)
 
 
 def parameter_table(rows: Sequence[RowSampler], draw: bool) -> torch.Tensor:
@@ -164,6 +173,16 @@ def stacked_penalties(rows: Sequence[RowSampler]) -> torch.Tensor | None:
     """The penalizing rows' penalties stacked ``[P, V]`` in row order, or None when no row penalizes."""
     penalties = [row.penalty for row in rows if row.penalty is not None]
     return torch.stack(penalties) if penalties else None
+
+
+@functools.cache
+def _greedy_sampler(device_type: str) -> Callable[..., torch.Tensor]:
+    """The Triton argmax for CUDA logits when triton is available, otherwise the torch one (resolved once)."""
+    if device_type == "cuda" and triton_available(device_type):
+        from ninfer.kernels.triton.sampling import greedy_rows
+
+        return greedy_rows
+    return sampling.greedy_rows
 
 
 @functools.cache

@@ -273,6 +273,48 @@ def sample_rows(
     return out
 
 
+@triton.jit
+def _chunk_max_kernel(logits_ptr, keys_ptr, n_cols, row_stride, n_chunks, BLOCK: tl.constexpr):
+    """The largest key (``_sortable_key``) of one chunk of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < n_cols
+    values = tl.load(logits_ptr + row * row_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    keys = tl.where(valid, _sortable_key(values, cols), _INT64_MIN)
+    tl.store(keys_ptr + row * n_chunks + chunk, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _row_max_kernel(keys_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
+    """The column of a row's largest chunk key."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    keys = tl.load(keys_ptr + row * n_chunks + c, mask=c < n_chunks, other=_INT64_MIN)
+    tl.store(out_ptr + row, _key_column(tl.max(keys, axis=0)))
+
+
+def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None, *, chunk: int | None = None) -> torch.Tensor:
+    """The argmax id of each row of ``logits [R, V]`` below ``vocab_limit`` (the first among equal maxima) in two
+    light launches: each chunk's largest key, then each row's; what :func:`sample_rows` picks for rows of temperature
+    0 without penalties. Twin: ``ninfer.kernels.sampling.greedy_rows``."""
+    if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [rows, vocab] with unit column stride; got shape {tuple(logits.shape)}")
+    rows, width = logits.shape
+    n_cols = width if vocab_limit is None else max(1, min(width, vocab_limit))
+    if chunk is None:
+        chunk = SMALL_BATCH_CHUNK if rows < 4 else CHUNK
+    block = min(chunk, triton.next_power_of_2(n_cols))
+    n_chunks = triton.cdiv(n_cols, block)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    keys = torch.empty(rows * n_chunks, dtype=torch.int64, device=logits.device)
+    _chunk_max_kernel[(rows, n_chunks)](logits, keys, n_cols, logits.stride(0), n_chunks, BLOCK=block, num_warps=4)
+    _row_max_kernel[(rows,)](keys, out, n_chunks, BLOCK=max(2, triton.next_power_of_2(n_chunks)), num_warps=4)
+    return out
+
+
 def _check_inputs(
     logits: torch.Tensor,
     per_row: tuple[torch.Tensor, ...],
