@@ -32,6 +32,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
+from ninfer.kernels.triton.staging import stage_rows  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -245,3 +246,20 @@ def test_moe_decode_pieces_match_moe_forward():
     shared = F.linear(silu_mul(entry[:, experts : experts + 2 * inner]), shared_down)
     out = combine_experts(expert_out, weights, shared, entry[:, experts + 2 * inner :])
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("with_ids, with_mask", [(True, True), (True, False), (False, True)])
+def test_stage_rows_copies_the_ids_and_masks_the_slots_like_the_torch_ops(with_ids, with_mask):
+    generator = torch.Generator().manual_seed(3)
+    rows = 5
+    ids = torch.randint(0, 1000, (rows,), generator=generator).to(DEVICE) if with_ids else None
+    mask = torch.tensor([True, False, True, False, False], device=DEVICE) if with_mask else None
+    token_ids = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([0, 3, 1, 4, 2], dtype=torch.int64, device=DEVICE)
+    expected_ids = ids.clone() if with_ids else token_ids.clone()
+    expected_slots = torch.where(mask, slots, -1 - slots) if with_mask else slots.clone()
+    stage_rows(ids, mask, token_ids, slots)
+    assert torch.equal(token_ids, expected_ids)
+    assert torch.equal(slots, expected_slots)
+    with pytest.raises(ValueError, match="bool"):
+        stage_rows(None, torch.ones(rows, dtype=torch.int64, device=DEVICE), token_ids, slots)

@@ -43,6 +43,7 @@ from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_mo
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
+from ninfer.kernels.triton.staging import stage_rows
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
 from ninfer.plugins.qwen3_5.layers import (
@@ -100,7 +101,8 @@ class DecodeInputs:
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
         one asynchronous transfer; fields already on the device are copied device to device after it. A
         ``state_update_mask`` turns each masked row's slot ``s`` into ``-1 - s``, which the recurrent kernels read
-        from and do not write.
+        from and do not write. On CUDA the device-resident token ids (a sampler's, fed back) and the slot masking go
+        in one launch (``stage_rows``).
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the staging buffer
@@ -122,12 +124,22 @@ class DecodeInputs:
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        ids = None
         for device_view, source in on_device:
-            device_view.copy_(source)
-        mask = batch.state_update_mask
-        if mask is not None:  # a masked row's slot s goes to the kernels as -1 - s: read, not written
-            slots = self.state_slots
-            slots.copy_(torch.where(mask.to(slots.device), slots, -1 - slots))
+            if device_view is self.token_ids:
+                ids = source
+            else:
+                device_view.copy_(source)
+        mask = batch.state_update_mask  # a masked row's slot s goes to the kernels as -1 - s: read, not written
+        if mask is not None:
+            mask = mask.to(self.device_buffer.device)
+        if self.device_buffer.is_cuda:  # the sampled ids and the masked slots in one launch
+            stage_rows(ids, mask, self.token_ids, self.state_slots)
+            return
+        if ids is not None:
+            self.token_ids.copy_(ids)
+        if mask is not None:
+            self.state_slots.copy_(torch.where(mask, self.state_slots, -1 - self.state_slots))
 
 
 @attrs.define
