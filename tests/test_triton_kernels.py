@@ -32,7 +32,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
-from ninfer.kernels.triton.staging import stage_rows  # noqa: E402
+from ninfer.kernels.triton.staging import stage_rows, stop_update_mask  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -263,3 +263,18 @@ def test_stage_rows_copies_the_ids_and_masks_the_slots_like_the_torch_ops(with_i
     assert torch.equal(slots, expected_slots)
     with pytest.raises(ValueError, match="bool"):
         stage_rows(None, torch.ones(rows, dtype=torch.int64, device=DEVICE), token_ids, slots)
+
+
+def test_stop_update_mask_matches_the_torch_rule():
+    from ninfer.core.engine.batching import state_update_mask
+
+    ids = torch.tensor([5, 9, 2, 7, 3], device=DEVICE)
+    table = torch.tensor(
+        [[1, 5, -1, -1], [1, 4, 8, -1], [0, -1, -1, -1], [1, 1, 7, 11], [1, -1, -1, -1]], device=DEVICE
+    )
+    expected = [False, True, False, False, True]  # a stop id, none of them, not fed, the last stop id, no stop ids
+    assert stop_update_mask(ids, table).tolist() == expected
+    assert state_update_mask(ids.cpu(), table.cpu()).tolist() == expected
+    assert stop_update_mask(ids[:1], table[:1, :1]).tolist() == [True]  # no stop-id columns at all
+    with pytest.raises(ValueError, match="table"):
+        stop_update_mask(ids, table[:3])

@@ -13,6 +13,7 @@ import torch
 
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.runtime import ForwardBatch
+from ninfer.kernels.triton import triton_available
 
 _HOST = torch.device("cpu")
 
@@ -47,6 +48,17 @@ def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags:
         logits=logits,  # type: ignore[arg-type]
         **flags,
     )
+
+
+def state_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R]``, on the ids' device: whether row ``r``'s recurrent state takes the token ``ids[r]`` it is fed
+    ahead, i.e. the row feeds it (``table[r, 0] != 0``) and it is none of the row's stop ids (``table[r, 1:]``,
+    padded with -1). On CUDA one Triton launch instead of five."""
+    if ids.is_cuda and triton_available(ids.device):
+        from ninfer.kernels.triton.staging import stop_update_mask  # here: CPU-only installs lack triton
+
+        return stop_update_mask(ids, table)
+    return table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
 
 
 def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, update: torch.Tensor) -> ForwardBatch:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ninfer.core.engine.batching import build_ahead_batch, build_batch
+from ninfer.core.engine.batching import build_ahead_batch, build_batch, state_update_mask
 from ninfer.core.engine.commit import Finish, commit_timed
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
@@ -446,7 +446,7 @@ class Executor:
             ),
             ids.device,
         )
-        update = table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
+        update = state_update_mask(ids, table)
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens) + 1)
         batch = build_ahead_batch(rows, ids, update)

@@ -1,9 +1,11 @@
-"""A decode step's device-resident inputs staged in one launch: the token ids the previous step sampled (still on
-the device) copied into the step's input buffer, and the state slots of the rows whose recurrent state must not
-take this step turned into ``-1 - slot`` (``ForwardBatch.state_update_mask``), instead of a copy and three
-elementwise launches between two CUDA graph replays.
+"""An overlapped decode step's device-side inputs, each in one launch between two CUDA graph replays.
 
-Twin: ``token_ids.copy_(ids)`` and ``slots.copy_(torch.where(mask, slots, -1 - slots))``.
+* ``stop_update_mask``: which rows' recurrent state takes the token it is fed (``ForwardBatch.state_update_mask``):
+  the row feeds it and the sampled id is none of its stop ids. Twin: ``table[:, 0].bool() & ~(ids[:, None] ==
+  table[:, 1:]).any(1)`` (five launches).
+* ``stage_rows``: the sampled ids (still on the device) copied into the step's input buffer, and the state slots of
+  the rows that must not take the step turned into ``-1 - slot``. Twin: ``token_ids.copy_(ids)`` and
+  ``slots.copy_(torch.where(mask, slots, -1 - slots))`` (four launches).
 """
 
 from __future__ import annotations
@@ -13,6 +15,36 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.triton import next_power_of_2
+
+
+@triton.jit
+def _stop_update_mask_kernel(ids_ptr, table_ptr, out_ptr, rows, width, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_W)
+    row = r < rows
+    ids = tl.load(ids_ptr + r, mask=row, other=-1)
+    feeds = tl.load(table_ptr + r * width, mask=row, other=0) != 0
+    stop_mask = row[:, None] & (c < width - 1)[None, :]
+    stops = tl.load(table_ptr + r[:, None] * width + 1 + c[None, :], mask=stop_mask, other=-1)
+    stopped = tl.max((stops == ids[:, None]).to(tl.int32), axis=1) > 0
+    tl.store(out_ptr + r, feeds & ~stopped, mask=row)
+
+
+def stop_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R]``: row ``r`` feeds its token (``table[r, 0] != 0``) and ``ids[r]`` is none of its stop ids
+    (``table[r, 1:]``, padded with -1). ``ids [R]`` and ``table [R, 1 + W]`` contiguous, of one dtype and device."""
+    if table.dim() != 2 or ids.shape != table.shape[:1] or table.shape[1] < 1:
+        raise ValueError(f"table must be [R, 1 + W] for ids [R]; got {tuple(table.shape)} and {tuple(ids.shape)}")
+    if ids.dtype != table.dtype or ids.device != table.device or not (ids.is_contiguous() and table.is_contiguous()):
+        raise ValueError("ids and table must be contiguous, of one dtype and on one device")
+    rows, width = table.shape
+    out = torch.empty(rows, dtype=torch.bool, device=ids.device)
+    if rows:
+        _stop_update_mask_kernel[(1,)](
+            ids, table, out, rows, width, BLOCK_R=max(2, next_power_of_2(rows)),
+            BLOCK_W=max(2, next_power_of_2(width - 1)), num_warps=1,
+        )
+    return out
 
 
 @triton.jit
