@@ -15,7 +15,7 @@ name are in flight before its barrier:
    highest logits, the lower index first among equal ones; softmax renormalised over the selection) and runs units
    of ``gate_up_rows`` whole inner rows, the shared expert's first, then the selected experts', writing
    ``silu(gate) * up``; each unit's successor loads while it computes. Before the next barrier it loads the down rows
-   of its first two units.
+   of its first down unit (its first two where the grid has more units than programs and both fit).
 2. down: each program sums, for its blocks of hidden rows, every selected expert's down projection weighted by the
    routing and the shared expert's gated by ``sigmoid`` of its logit, in a fixed order (deterministic, no atomics on
    data), and writes the block output.
@@ -65,11 +65,11 @@ class NotResidentError(ValueError):
 @attrs.frozen
 class PersistentTiles:
     """Launch shape of the persistent MoE kernel. A unit's tiles are whole weight rows held in registers, so the row
-    counts shrink (powers of two) until four gate/up tiles (a unit's and its successor's) or one down unit (every
-    selected expert's rows) fit ``TILE_ELEMENTS_PER_THREAD`` per thread."""
+    counts shrink (powers of two) until four gate/up tiles (a unit's and its successor's) fit
+    ``TILE_ELEMENTS_PER_THREAD`` per thread, or one down unit (every selected expert's rows) twice that."""
 
     gate_up_rows: int = 4  # inner rows (gate and as many up rows) per gate/up unit
-    down_rows: int = 4  # hidden rows per down unit
+    down_rows: int = 8  # hidden rows per down unit (one unit per program at 35B-A3B: one pass of reductions)
     warps: int = 8
     programs_per_sm: int = 2  # the grid (all resident at once: checked against the compiled kernel's resources)
     max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM, at the cost of a few spills
@@ -298,7 +298,7 @@ def _persistent_moe_kernel(
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
     logits_ptr, act_ptr, out_ptr, counter_ptr, trace_ptr, num_experts, hidden, inner, shared_inner, act_stride,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_AHEAD: tl.constexpr,
     BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
     TRACE: tl.constexpr,
 ):
@@ -358,14 +358,15 @@ def _persistent_moe_kernel(
             )
             gate_tile, up_tile = next_gate, next_up
     _stamp(trace_ptr, 5, TRACE)
-    if PHASE == -1 or PHASE == 2:  # the first two units' down rows stream while the other programs finish gate/up
+    if PHASE == -1 or PHASE == 2:  # the first down units' rows stream while the other programs finish gate/up
         routed_tile, shared_tile = _down_tiles(
             pid, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
         )
-        second_routed, second_shared = _down_tiles(
-            pid + programs, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD,
-            DOWN_ROWS, BLOCK_I,
-        )
+        if DOWN_AHEAD == 2:
+            second_routed, second_shared = _down_tiles(
+                pid + programs, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD,
+                DOWN_ROWS, BLOCK_I,
+            )
     _stamp(trace_ptr, 6, TRACE)
     if PHASE == -1:  # the second barrier leaves the counter at zero for the next call
         _last_grid_barrier(counter_ptr, programs)
@@ -376,12 +377,13 @@ def _persistent_moe_kernel(
                 routed_tile, shared_tile, pid, weights, shared_gate, act_ptr, act_stride, out_ptr, hidden, inner,
                 shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
             )
-        if pid + programs < down_units:
-            _down_store(
-                second_routed, second_shared, pid + programs, weights, shared_gate, act_ptr, act_stride, out_ptr,
-                hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
-            )
-        for unit in range(pid + 2 * programs, down_units, programs):
+        if DOWN_AHEAD == 2:
+            if pid + programs < down_units:
+                _down_store(
+                    second_routed, second_shared, pid + programs, weights, shared_gate, act_ptr, act_stride, out_ptr,
+                    hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS, BLOCK_I,
+                )
+        for unit in range(pid + DOWN_AHEAD * programs, down_units, programs):
             routed_tile, shared_tile = _down_tiles(
                 unit, experts, down_ptr, shared_down_ptr, hidden, inner, shared_inner, TOP_K, TOP_K_PAD, DOWN_ROWS,
                 BLOCK_I,
@@ -491,11 +493,16 @@ def persistent_moe_decode(
     )
     block_h, block_i, top_k_pad = next_power_of_2(width), next_power_of_2(act_stride), next_power_of_2(top_k)
     budget = TILE_ELEMENTS_PER_THREAD * 32 * tiles.warps
+    # the down units loaded before the second barrier take the registers of a gate/up unit and its lookahead and as
+    # many again: one unit of ``down_rows``, two where the grid has that many units and two fit
+    down_elements = (top_k_pad + 1) * block_i
+    down_rows = _rows_within(tiles.down_rows, down_elements, 2 * budget)
+    down_ahead = 2 if triton.cdiv(width, down_rows) > programs and 2 * down_rows * down_elements <= 2 * budget else 1
     constants = dict(
         TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_E=next_power_of_2(num_experts),
         ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
         GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
-        DOWN_ROWS=_rows_within(tiles.down_rows, (top_k_pad + 1) * block_i, budget), BLOCK_I=block_i, NORM=norm,
+        DOWN_ROWS=down_rows, DOWN_AHEAD=down_ahead, BLOCK_I=block_i, NORM=norm,
         HAS_PENDING=has_pending, TRACE=trace is not None,
         PDL=tiles.pdl, num_warps=tiles.warps, **launch_options(tiles.pdl),
         **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}),
