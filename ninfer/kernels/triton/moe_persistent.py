@@ -72,7 +72,8 @@ class PersistentTiles:
     down_rows: int = 8  # hidden rows per down unit (one unit per program at 35B-A3B: one pass of reductions)
     warps: int = 8
     programs_per_sm: int = 2  # the grid (all resident at once: checked against the compiled kernel's resources)
-    max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM, at the cost of a few spills
+    max_registers: int | None = 128  # per thread (``maxnreg``): two programs fit per SM (sm_90: no spills but in
+    # the down loop of grids with more down units than programs)
     pdl: bool = False  # programmatic dependent launch: the kernel starts while its predecessor drains (sm_90+)
 
 
@@ -494,10 +495,10 @@ def persistent_moe_decode(
     block_h, block_i, top_k_pad = next_power_of_2(width), next_power_of_2(act_stride), next_power_of_2(top_k)
     budget = TILE_ELEMENTS_PER_THREAD * 32 * tiles.warps
     # the down units loaded before the second barrier take the registers of a gate/up unit and its lookahead and as
-    # many again: one unit of ``down_rows``, two where the grid has that many units and two fit
+    # many again: one unit of ``down_rows``, two where the grid has more units than programs and two fit
     down_elements = (top_k_pad + 1) * block_i
     down_rows = _rows_within(tiles.down_rows, down_elements, 2 * budget)
-    down_ahead = 2 if triton.cdiv(width, down_rows) > programs and 2 * down_rows * down_elements <= 2 * budget else 1
+    down_ahead = 2 if triton.cdiv(width, down_rows) > programs and down_rows * down_elements <= budget else 1
     constants = dict(
         TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_E=next_power_of_2(num_experts),
         ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
