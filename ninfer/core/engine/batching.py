@@ -7,7 +7,8 @@ asynchronous transfer; its eager path moves them once).
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+import functools
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -54,11 +55,21 @@ def state_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Bool ``[R]``, on the ids' device: whether row ``r``'s recurrent state takes the token ``ids[r]`` it is fed
     ahead, i.e. the row feeds it (``table[r, 0] != 0``) and it is none of the row's stop ids (``table[r, 1:]``,
     padded with -1). On CUDA one Triton launch instead of five."""
-    if ids.is_cuda and triton_available(ids.device):
+    return _update_mask_rule(ids.device.type)(ids, table)
+
+
+def _torch_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
+
+
+@functools.cache
+def _update_mask_rule(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The Triton mask for CUDA ids when triton is available, otherwise the torch rule (resolved once)."""
+    if device_type == "cuda" and triton_available(device_type):
         from ninfer.kernels.triton.staging import stop_update_mask  # here: CPU-only installs lack triton
 
-        return stop_update_mask(ids, table)
-    return table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
+        return stop_update_mask
+    return _torch_update_mask
 
 
 def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, update: torch.Tensor) -> ForwardBatch:

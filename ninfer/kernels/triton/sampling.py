@@ -216,10 +216,7 @@ def sample_rows(
     """
     rows, width = _check_inputs(logits, (temperature, top_k, top_p, min_p, uniform), penalty, penalty_rows)
     n_cols = width if vocab_limit is None else max(1, min(width, vocab_limit))
-    if chunk is None:
-        chunk = SMALL_BATCH_CHUNK if rows < 4 else CHUNK
-    if chunk & (chunk - 1) or chunk < _KEY_LANES:
-        raise ValueError(f"chunk must be a power of two >= {_KEY_LANES}, got {chunk}")
+    chunk = _stage_chunk(rows, chunk)
     device = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=device)
     if rows == 0:
@@ -302,9 +299,7 @@ def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None, *, chunk: 
         raise ValueError(f"logits must be [rows, vocab] with unit column stride; got shape {tuple(logits.shape)}")
     rows, width = logits.shape
     n_cols = width if vocab_limit is None else max(1, min(width, vocab_limit))
-    if chunk is None:
-        chunk = SMALL_BATCH_CHUNK if rows < 4 else CHUNK
-    block = min(chunk, triton.next_power_of_2(n_cols))
+    block = min(_stage_chunk(rows, chunk), triton.next_power_of_2(n_cols))
     n_chunks = triton.cdiv(n_cols, block)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -313,6 +308,16 @@ def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None, *, chunk: 
     _chunk_max_kernel[(rows, n_chunks)](logits, keys, n_cols, logits.stride(0), n_chunks, BLOCK=block, num_warps=4)
     _row_max_kernel[(rows,)](keys, out, n_chunks, BLOCK=max(2, triton.next_power_of_2(n_chunks)), num_warps=4)
     return out
+
+
+def _stage_chunk(rows: int, chunk: int | None) -> int:
+    """The first stage's chunk of columns: ``chunk`` (a power of two >= ``_KEY_LANES``) or one chosen from the row
+    count."""
+    if chunk is None:
+        return SMALL_BATCH_CHUNK if rows < 4 else CHUNK
+    if chunk & (chunk - 1) or chunk < _KEY_LANES:
+        raise ValueError(f"chunk must be a power of two >= {_KEY_LANES}, got {chunk}")
+    return chunk
 
 
 def _check_inputs(
