@@ -71,6 +71,10 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "base": (),
     "round 9 defaults": (tiles_of(GATED, 2, 2048), decoder_attribute("graph_segments", 4)),
     "moe 2-row units": (moe_tiles(gate_up_rows=2),),
+    "moe 4 programs per SM of 4 warps": (moe_tiles(warps=4, programs_per_sm=4),),
+    "moe 3 programs per SM at 80 registers": (
+        moe_tiles(programs_per_sm=3, max_registers=80, gate_up_rows=2, down_rows=4),
+    ),
     "split 16": (split_minimum(16),),
     "split 32": (split_minimum(32),),
     "segments 1": (SEGMENTS_1,),
