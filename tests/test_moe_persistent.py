@@ -14,6 +14,8 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
 from moe_support import check_against_twin, experts_with_routing, fused_views, make_block
 
@@ -26,6 +28,7 @@ CUDA = torch.cuda.is_available()
 if not triton_available("cuda" if CUDA else "cpu"):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
+from ninfer.kernels.triton import moe_persistent  # noqa: E402
 from ninfer.kernels.triton.moe_grouped import moe_workspace  # noqa: E402
 from ninfer.kernels.triton.moe_persistent import (  # noqa: E402
     NotResidentError,
@@ -134,6 +137,39 @@ def test_equal_logits_select_the_lower_expert():
     assert logits[2] == logits[4] == logits[6] and logits[2] > logits[:experts].topk(4).values[-1]
     weights = torch.full((1, 2), 0.5, device=DEVICE)
     assert rel_err(out, experts_with_routing(hidden, weights, torch.tensor([[2, 4]]), w, shared=True)) < TOL
+
+
+@triton.jit
+def _route_rows(logits_ptr, experts_ptr, weights_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                BLOCK_E: tl.constexpr, NARROW_KEYS: tl.constexpr):
+    row = tl.program_id(0)
+    experts, weights, _ = moe_persistent._route(
+        logits_ptr + row * (num_experts + 1), num_experts, TOP_K, TOP_K_PAD, BLOCK_E, NARROW_KEYS
+    )
+    slots = tl.arange(0, TOP_K_PAD)
+    tl.store(experts_ptr + row * TOP_K + slots, experts, mask=slots < TOP_K)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+
+
+@pytest.mark.parametrize("narrow_keys", [False, True])
+def test_routing_keys_select_the_highest_logits_lower_index_first(narrow_keys):
+    """Both key widths of the routing (int32 keys where the logits are bf16-exact) give the torch rule: the highest
+    logits, the lower index first among equal ones, softmax over the selection; on rows with many ties, negative
+    and zero logits, and fewer experts than the power of two."""
+    experts, top_k = 200, 8
+    logits = (torch.randn(64, experts + 1) * 4).to(torch.bfloat16).float()
+    logits[::2, : experts // 2] = logits[::2, experts // 2 : 2 * (experts // 2)]  # every value twice
+    logits[1::4] = logits[1::4].round()  # many equal integers, zeros among them
+    logits[3::8] = -logits[3::8].abs()  # only negative logits
+    logits = logits.to(DEVICE)
+    chosen = torch.empty(64, top_k, dtype=torch.int32, device=DEVICE)
+    weights = torch.empty(64, top_k, dtype=torch.float32, device=DEVICE)
+    _route_rows[(64,)](logits, chosen, weights, experts, TOP_K=top_k, TOP_K_PAD=top_k, BLOCK_E=256,
+                       NARROW_KEYS=narrow_keys)
+    expected = torch.sort(logits[:, :experts], dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(chosen.long(), expected)
+    selected = logits[:, :experts].gather(1, expected)
+    assert rel_err(weights, torch.softmax(selected, dim=-1)) < 1e-5
 
 
 def test_persistent_moe_rejects_bad_inputs():

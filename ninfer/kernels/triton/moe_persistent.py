@@ -153,21 +153,32 @@ def _pick(values, index, PAD: tl.constexpr):
 
 
 @triton.jit
-def _route(logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route(
+    logits_ptr, num_experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+    NARROW_KEYS: tl.constexpr,
+):
     """``(experts [TOP_K_PAD] int32, weights [TOP_K_PAD] fp32, shared gate logit)`` from the router logits: the
     ``TOP_K`` highest logits (the lower index first among equal ones), weighted by their softmax renormalised over
     the selection (what the twin's softmax, top-k and renormalisation give). One bitonic top-k (``tl.topk``) over
-    int64 keys that order like (logit, -index), instead of ``TOP_K`` dependent arg-max reductions."""
+    integer keys that order like (logit, -index), instead of ``TOP_K`` dependent arg-max reductions: int64 keys, or
+    with ``NARROW_KEYS`` (bf16-exact logits, ``BLOCK_E <= 256``) int32 keys of the logit's 16 ordered bits and an
+    8-bit index, which halve the sort's exchanges."""
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + e, mask=e < num_experts, other=float("-inf"), cache_modifier=".cg")
     bits = logits.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order like the floats
-    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    index = BLOCK_E - 1 - e
+    if NARROW_KEYS:  # a bf16-exact float's low 16 bits are 0, so ordered's are 0 or (negative) 0xFFFF: drop them
+        top = tl.topk(((ordered >> 16) << 8) | index, TOP_K_PAD)
+        chosen_index = top & 0xFF
+        top_ordered = ((top >> 8) << 16) | tl.where(top < 0, 0xFFFF, 0)
+    else:
+        top = tl.topk((ordered.to(tl.int64) << 32) | index.to(tl.int64), TOP_K_PAD)
+        chosen_index = (top & 0xFFFFFFFF).to(tl.int32)
+        top_ordered = (top >> 32).to(tl.int32)
     shared_gate = tl.load(logits_ptr + num_experts, cache_modifier=".cg")
-    top = tl.topk(keys, TOP_K_PAD)
     slots = tl.arange(0, TOP_K_PAD)
-    experts = tl.where(slots < TOP_K, BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32), 0)
-    top_ordered = (top >> 32).to(tl.int32)
+    experts = tl.where(slots < TOP_K, BLOCK_E - 1 - chosen_index, 0)
     chosen = (top_ordered ^ ((top_ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the keys' logits
     weights = tl.exp(tl.where(slots < TOP_K, chosen, float("-inf")) - tl.max(chosen, axis=0))
     weights = weights / tl.sum(weights, axis=0)
@@ -298,8 +309,8 @@ def _persistent_moe_kernel(
     hidden_ptr, pending_ptr, norm_weight_ptr, hidden_out_ptr, normed_ptr, eps,
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
     logits_ptr, act_ptr, out_ptr, counter_ptr, trace_ptr, num_experts, hidden, inner, shared_inner, act_stride,
-    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_AHEAD: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NARROW_KEYS: tl.constexpr,
+    ROUTER_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_AHEAD: tl.constexpr,
     BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
     TRACE: tl.constexpr,
 ):
@@ -336,7 +347,7 @@ def _persistent_moe_kernel(
         _grid_barrier(counter_ptr, programs)
     _stamp(trace_ptr, 3, TRACE)
     if PHASE != 0:
-        experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E)
+        experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E, NARROW_KEYS)
     _stamp(trace_ptr, 4, TRACE)
     if PHASE == -1 or PHASE == 1:  # each unit's successor loads while it computes
         routed_gate, routed_up = _gate_up_tiles(
@@ -501,6 +512,7 @@ def persistent_moe_decode(
     down_ahead = 2 if triton.cdiv(width, down_rows) > programs and down_rows * down_elements <= budget else 1
     constants = dict(
         TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_E=next_power_of_2(num_experts),
+        NARROW_KEYS=hidden.dtype == torch.bfloat16 and num_experts <= 256,
         ROUTER_ROWS=next_power_of_2(triton.cdiv(num_experts + 1, programs)), BLOCK_H=block_h,
         GATE_UP_ROWS=_rows_within(tiles.gate_up_rows, 4 * block_h, budget),
         DOWN_ROWS=down_rows, DOWN_AHEAD=down_ahead, BLOCK_I=block_i, NORM=norm,
