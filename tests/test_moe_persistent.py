@@ -14,8 +14,6 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
 from moe_support import check_against_twin, experts_with_routing, fused_views, make_block
 
@@ -27,6 +25,9 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
 if not triton_available("cuda" if CUDA else "cpu"):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from ninfer.kernels.triton import moe_persistent  # noqa: E402
 from ninfer.kernels.triton.moe_grouped import moe_workspace  # noqa: E402
