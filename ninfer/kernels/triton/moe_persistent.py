@@ -310,9 +310,9 @@ def _persistent_moe_kernel(
     router_ptr, expert_gate_ptr, gate_up_ptr, down_ptr, shared_gate_up_ptr, shared_down_ptr,
     logits_ptr, act_ptr, out_ptr, counter_ptr, trace_ptr, num_experts, hidden, inner, shared_inner, act_stride,
     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NARROW_KEYS: tl.constexpr,
-    ROUTER_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_AHEAD: tl.constexpr,
-    BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
-    TRACE: tl.constexpr,
+    ROUTER_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, GATE_UP_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr,
+    DOWN_AHEAD: tl.constexpr, BLOCK_I: tl.constexpr, NORM: tl.constexpr, HAS_PENDING: tl.constexpr,
+    PHASE: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
 ):
     # PHASE -1: all three phases with grid barriers between them; 0, 1, 2: that phase alone (the interpreter's form)
     pid = tl.program_id(0)

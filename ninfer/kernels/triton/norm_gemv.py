@@ -257,9 +257,8 @@ def _add_norm_gemv_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
     # rows past the weight start at its first row (their loads are masked anyway); written as a select, the row
-    # starts also make the compiler issue each row's column chunks back to back instead of interleaving the rows'
-    # (sm_90 SASS), so HBM serves one row's bytes after another: the 35B-A3B GDN entry projection 16.3 -> 15.0 us
-    # (docs/performance.md, round 13)
+    # starts also make the compiler issue each row's two column chunks back to back instead of interleaving the
+    # rows' (sm_90 SASS): 35B-A3B decode graphs 2.143 -> 2.115 ms (docs/performance.md, round 13)
     w_rows = tl.where(row_valid, w_ptr + rows.to(tl.int64) * width, w_ptr)
     cols = tl.arange(0, BLOCK_K)
     col_valid = cols < width
