@@ -256,10 +256,13 @@ def _add_norm_gemv_kernel(
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
-    # rows past the weight start at its first row (their loads are masked anyway); written as a select, the row
-    # starts also make the compiler issue each row's two column chunks back to back instead of interleaving the
-    # rows' (sm_90 SASS): 35B-A3B decode graphs 2.143 -> 2.115 ms (docs/performance.md, round 13)
-    w_rows = tl.where(row_valid, w_ptr + rows.to(tl.int64) * width, w_ptr)
+    # The row starts as a select, so that the compiler issues each row's two column chunks back to back instead of
+    # interleaving the rows' (sm_90 SASS; 35B-A3B decode graphs 2.143 -> 2.115 ms, docs/performance.md round 13).
+    # Rows past the weight start in another tensor (their loads are masked): a select between two bases made the
+    # step faster again than one falling back to the weight's first row (graphs 2.122-2.128 -> 2.092-2.095 ms, one
+    # lease, round 14), with the same loads in the same order before the predecessor wait and the projection alone
+    # as fast as before; why is not known.
+    w_rows = tl.where(row_valid, w_ptr + rows.to(tl.int64) * width, norm_weight_ptr + (rows - out_features) * width)
     cols = tl.arange(0, BLOCK_K)
     col_valid = cols < width
     t = tl.arange(0, TOKENS)
