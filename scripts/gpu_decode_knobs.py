@@ -100,6 +100,9 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "entry 8x2048 w8": (tiles_of(ENTRY, 8, 2048, warps=8),),
     "entry 8x1024 s3": (tiles_of(ENTRY, 8, 1024, stages=3),),
     "entry 4x2048 w2": (tiles_of(ENTRY, 4, 2048, warps=2),),
+    "gated 8x4096 w8 + segments 1": (tiles_of(GATED, 8, 4096, warps=8), SEGMENTS_1),
+    "gated 4x4096 w8 + segments 1": (tiles_of(GATED, 4, 4096, warps=8), SEGMENTS_1),
+    "gated 4x4096 + segments 1": (tiles_of(GATED, 4, 4096), SEGMENTS_1),
     "gated 8x2048 w8 + act 4x2048 + segments 1": (
         tiles_of(GATED, 8, 2048, warps=8), tiles_of(ACT, 4, 2048), SEGMENTS_1,
     ),
