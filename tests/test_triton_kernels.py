@@ -32,7 +32,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
-from ninfer.kernels.triton.staging import stage_rows, stop_update_mask  # noqa: E402
+from ninfer.kernels.triton.staging import stage_inputs, stop_update_mask  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -248,21 +248,31 @@ def test_moe_decode_pieces_match_moe_forward():
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("with_ids, with_mask", [(True, True), (True, False), (False, True)])
-def test_stage_rows_copies_the_ids_and_masks_the_slots_like_the_torch_ops(with_ids, with_mask):
+@pytest.mark.parametrize("size", [37, 2500])  # one program, several
+@pytest.mark.parametrize("with_ids, with_mask", [(True, True), (True, False), (False, True), (False, False)])
+def test_stage_inputs_copies_the_buffer_with_the_ids_and_masked_slots_like_the_torch_ops(size, with_ids, with_mask):
     generator = torch.Generator().manual_seed(3)
-    rows = 5
+    rows, slots_at = 5, 20
+    source = torch.randint(0, 1 << 40, (size,), generator=generator).to(DEVICE)
     ids = torch.randint(0, 1000, (rows,), generator=generator).to(DEVICE) if with_ids else None
     mask = torch.tensor([True, False, True, False, False], device=DEVICE) if with_mask else None
-    token_ids = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
-    slots = torch.tensor([0, 3, 1, 4, 2], dtype=torch.int64, device=DEVICE)
-    expected_ids = ids.clone() if with_ids else token_ids.clone()
-    expected_slots = torch.where(mask, slots, -1 - slots) if with_mask else slots.clone()
-    stage_rows(ids, mask, token_ids, slots)
-    assert torch.equal(token_ids, expected_ids)
-    assert torch.equal(slots, expected_slots)
+    target = torch.full((size,), -7, dtype=torch.int64, device=DEVICE)
+    expected = source.clone()
+    if with_ids:
+        expected[:rows] = ids
+    if with_mask:
+        slots = expected[slots_at : slots_at + rows]
+        slots.copy_(torch.where(mask, slots, -1 - slots))
+    stage_inputs(source, target, ids, mask, slots_at)
+    assert torch.equal(target, expected)
+
+
+def test_stage_inputs_refuses_a_mask_that_is_not_bool_or_outside_the_buffer():
+    source = torch.zeros(30, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="bool"):
-        stage_rows(None, torch.ones(rows, dtype=torch.int64, device=DEVICE), token_ids, slots)
+        stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.int64, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="within the buffer"):
+        stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.bool, device=DEVICE), 27)
 
 
 def test_stop_update_mask_matches_the_torch_rule():

@@ -3,9 +3,10 @@
 * ``stop_update_mask``: which rows' recurrent state takes the token it is fed (``ForwardBatch.state_update_mask``):
   the row feeds it and the sampled id is none of its stop ids. Twin: ``table[:, 0].bool() & ~(ids[:, None] ==
   table[:, 1:]).any(1)`` (five launches).
-* ``stage_rows``: the sampled ids (still on the device) copied into the step's input buffer, and the state slots of
-  the rows that must not take the step turned into ``-1 - slot``. Twin: ``token_ids.copy_(ids)`` and
-  ``slots.copy_(torch.where(mask, slots, -1 - slots))`` (four launches).
+* ``stage_inputs``: the step's input buffer from the copy of its host-staged fields, with the sampled ids (still
+  on the device) in place of the token ids and the state slots of the rows that must not take the step turned
+  into ``-1 - slot``. Twin: ``target.copy_(source)``, ``token_ids.copy_(ids)`` and ``slots.copy_(torch.where(mask,
+  slots, -1 - slots))`` (five launches).
 """
 
 from __future__ import annotations
@@ -48,38 +49,43 @@ def stop_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _stage_rows_kernel(
-    ids_ptr, mask_ptr, token_ids_ptr, slots_ptr, tokens, rows,
+def _stage_inputs_kernel(
+    source_ptr, target_ptr, ids_ptr, mask_ptr, size, tokens, slots_at, rows,
     HAS_IDS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    i = tl.arange(0, BLOCK)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < size
+    value = tl.load(source_ptr + i, mask=inside, other=0)
     if HAS_IDS:
-        tl.store(token_ids_ptr + i, tl.load(ids_ptr + i, mask=i < tokens).to(tl.int64), mask=i < tokens)
+        is_token = i < tokens
+        value = tl.where(is_token, tl.load(ids_ptr + i, mask=is_token & inside, other=0).to(tl.int64), value)
     if HAS_MASK:
-        row = i < rows
-        slot = tl.load(slots_ptr + i, mask=row, other=0)
-        keep = tl.load(mask_ptr + i, mask=row, other=0) != 0
-        tl.store(slots_ptr + i, tl.where(keep, slot, -1 - slot), mask=row)
+        row = i - slots_at
+        is_slot = (row >= 0) & (row < rows)
+        keep = tl.load(mask_ptr + row, mask=is_slot & inside, other=1) != 0
+        value = tl.where(keep, value, -1 - value)
+    tl.store(target_ptr + i, value, mask=inside)
 
 
-def stage_rows(
-    ids: torch.Tensor | None, mask: torch.Tensor | None, token_ids: torch.Tensor, slots: torch.Tensor
+def stage_inputs(
+    source: torch.Tensor, target: torch.Tensor, ids: torch.Tensor | None, mask: torch.Tensor | None, slots_at: int
 ) -> None:
-    """Copy ``ids [T]`` into ``token_ids`` (int64) and, where ``mask [R]`` (bool) is false, set ``slots [R]``
-    (int64, in place) to ``-1 - slot``; either part may be left out. All on one device, contiguous."""
-    tensors = [t for t in (ids, mask, token_ids, slots) if t is not None]
-    if any(t.device != token_ids.device or not t.is_contiguous() for t in tensors):
-        raise ValueError("ids, mask, token_ids and slots must be contiguous tensors on one device")
-    if token_ids.dtype != torch.int64 or slots.dtype != torch.int64:
-        raise ValueError("token_ids and slots must be int64")
-    if ids is not None and ids.shape != token_ids.shape:
-        raise ValueError(f"ids must be {tuple(token_ids.shape)}; got {tuple(ids.shape)}")
-    if mask is not None and (mask.dtype != torch.bool or mask.shape != slots.shape):
-        raise ValueError(f"mask must be a bool {tuple(slots.shape)}; got {mask.dtype} {tuple(mask.shape)}")
-    if ids is None and mask is None:
-        return
-    _stage_rows_kernel[(1,)](
-        token_ids if ids is None else ids, slots if mask is None else mask, token_ids, slots,
-        token_ids.numel(), slots.numel(), HAS_IDS=ids is not None, HAS_MASK=mask is not None,
-        BLOCK=max(16, next_power_of_2(max(token_ids.numel(), slots.numel()))), num_warps=1,
+    """``target = source`` (int64 buffers of one size) with its first ``len(ids)`` elements taken from ``ids``
+    (the sampled token ids) and, where ``mask [R]`` (bool) is false, the slot ``source[slots_at + r]`` stored as
+    ``-1 - slot``; either part may be left out. All on one device, contiguous."""
+    tensors = [t for t in (source, target, ids, mask) if t is not None]
+    if any(t.device != target.device or not t.is_contiguous() for t in tensors):
+        raise ValueError("source, target, ids and mask must be contiguous tensors on one device")
+    if source.dtype != torch.int64 or target.dtype != torch.int64 or source.shape != target.shape:
+        raise ValueError(f"source and target must be int64 of one shape; got {tuple(source.shape)}, {tuple(target.shape)}")
+    if ids is not None and ids.numel() > target.numel():
+        raise ValueError(f"ids ({ids.numel()}) do not fit the buffer ({target.numel()})")
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 1 or slots_at + mask.numel() > target.numel()):
+        raise ValueError(f"mask must be a bool [R] of slots within the buffer; got {mask.dtype} {tuple(mask.shape)}")
+    size = target.numel()
+    block = min(1024, max(16, next_power_of_2(size)))
+    _stage_inputs_kernel[(triton.cdiv(size, block),)](
+        source, target, target if ids is None else ids, target if mask is None else mask, size,
+        0 if ids is None else ids.numel(), slots_at, 0 if mask is None else mask.numel(),
+        HAS_IDS=ids is not None, HAS_MASK=mask is not None, BLOCK=block, num_warps=1 if block <= 128 else 4,
     )

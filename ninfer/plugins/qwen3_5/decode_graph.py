@@ -30,6 +30,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from ninfer.core.engine.transfer import copy_stream
 from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache
 from ninfer.kernels.triton import next_power_of_2, triton_available
 from ninfer.kernels.triton.act_gemv import act_gemv
@@ -43,7 +44,7 @@ from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_mo
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
-from ninfer.kernels.triton.staging import stage_rows
+from ninfer.kernels.triton.staging import stage_inputs
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
 from ninfer.plugins.qwen3_5.layers import (
@@ -76,13 +77,17 @@ class DecodeInputs:
         self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows)
         size = 4 * tokens + rows * (2 + width)
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
-        pinned = device.type == "cuda"
-        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None
+        cuda = device.type == "cuda"
+        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
+        # CUDA: the host fields land in a buffer of their own on the inbound copy stream, ahead of the step, and
+        # one launch on the compute stream stages them with the sampled ids and the masked slots
+        self._landing = torch.zeros_like(self.device_buffer) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None  # the landing copy is done
+        self._staged = torch.cuda.Event() if cuda else None  # the staging launch has read the landing buffer
         self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
             self.device_buffer
         )
-        self._staged = self._views(self.host_buffer.numpy())
+        self._host_views = self._views(self.host_buffer.numpy())
 
     def _views(self, buffer: Any) -> tuple[Any, ...]:
         """The five fields as views of ``buffer`` (the device tensor or the host numpy array)."""
@@ -96,48 +101,60 @@ class DecodeInputs:
         )
 
     def load(self, batch: ForwardBatch) -> None:
-        """Stage one batch and copy it to the device buffer without a host sync.
+        """Stage one batch into the device buffer without a host sync.
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
         one asynchronous transfer; fields already on the device are copied device to device after it. A
         ``state_update_mask`` turns each masked row's slot ``s`` into ``-1 - s``, which the recurrent kernels read
-        from and do not write. On CUDA the device-resident token ids (a sampler's, fed back) and the slot masking go
-        in one launch (``stage_rows``).
+        from and do not write. On CUDA the transfer runs on the inbound copy stream into a landing buffer (while
+        the previous step still reads the device buffer), and one launch (``stage_inputs``) moves it into the device
+        buffer with the device-resident token ids (a sampler's, fed back) and the slot masking.
         """
         if self._copied is not None:
-            self._copied.synchronize()  # the previous transfer has read the staging buffer
-        token_ids, positions, context_lens, state_slots, page_tables = self._staged
+            self._copied.synchronize()  # the previous transfer has read the pinned buffer
+        token_ids, positions, context_lens, state_slots, page_tables = self._host_views
         context_lens[...] = batch.context_lens
         width = batch.page_tables.shape[1]
         on_device = []
         fields = (
-            (batch.token_ids, token_ids, self.token_ids),
-            (batch.positions, positions, self.positions),
-            (batch.state_slots, state_slots, self.state_slots),
-            (batch.page_tables, page_tables[:, :width], self.page_tables[:, :width]),
+            (batch.token_ids, token_ids, 0),
+            (batch.positions, positions, 1),
+            (batch.state_slots, state_slots, 3),
+            (batch.page_tables, page_tables[:, :width], 4),
         )
-        for source, host_view, device_view in fields:
+        for source, host_view, field in fields:
             if source.device.type == "cpu":
                 host_view[...] = source.numpy()
             else:
-                on_device.append((device_view, source))
-        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        ids = None
-        for device_view, source in on_device:
-            if device_view is self.token_ids:
-                ids = source
-            else:
-                device_view.copy_(source)
+                on_device.append((field, source))
         mask = batch.state_update_mask  # a masked row's slot s goes to the kernels as -1 - s: read, not written
         if mask is not None:
             mask = mask.to(self.device_buffer.device)
-        if self.device_buffer.is_cuda:  # the sampled ids and the masked slots in one launch
-            stage_rows(ids, mask, self.token_ids, self.state_slots)
+        if self._landing is None:
+            self._load_plain(on_device, mask, width)
             return
-        if ids is not None:
-            self.token_ids.copy_(ids)
+        stream = copy_stream(self.device_buffer.device, to_host=False)
+        stream.wait_event(self._staged)
+        with torch.cuda.stream(stream):
+            self._landing.copy_(self.host_buffer, non_blocking=True)
+        self._copied.record(stream)
+        torch.cuda.current_stream(self.device_buffer.device).wait_event(self._copied)
+        ids = None
+        landing = self._views(self._landing)
+        for field, source in on_device:
+            if field == 0:
+                ids = source
+            else:
+                (landing[field] if field != 4 else landing[4][:, :width]).copy_(source)
+        stage_inputs(self._landing, self.device_buffer, ids, mask, slots_at=self._bounds[2])
+        self._staged.record()
+
+    def _load_plain(self, on_device: list[tuple[int, torch.Tensor]], mask: torch.Tensor | None, width: int) -> None:
+        """``load`` off CUDA: one copy into the device buffer, then the device fields and the masking as torch ops."""
+        self.device_buffer.copy_(self.host_buffer)
+        views = self._views(self.device_buffer)
+        for field, source in on_device:
+            (views[field] if field != 4 else views[4][:, :width]).copy_(source)
         if mask is not None:
             self.state_slots.copy_(torch.where(mask, self.state_slots, -1 - self.state_slots))
 

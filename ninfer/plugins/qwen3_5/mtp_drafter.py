@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ninfer.core.engine.batching import page_table, text_positions
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Draft, SpeculativeConfig
+from ninfer.core.engine.transfer import to_device
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache
 from ninfer.plugins.qwen3_5.draft_head import draft_head
@@ -218,8 +219,8 @@ class MTPDrafter:
         if count == 1:
             return [Draft((token,)) for token in first.tolist()]
         device = hidden.device
-        tables = _staged(page_table(rows), device)
-        fed = _staged(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
+        tables = to_device(page_table(rows), device)
+        fed = to_device(torch.tensor([seq.fed for seq in rows], dtype=torch.int64), device)
         proposals = runner.continue_chain(first, hidden, fed, tables, self._kv, count)
         return [Draft(tuple(row)) for row in proposals.tolist()]
 
@@ -280,13 +281,6 @@ class MTPDrafter:
 
 def _tail_length(state: _RowState) -> int:
     return 0 if state.tail is None else state.tail.shape[0]
-
-
-def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; to a CUDA device through pinned memory without a host sync."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def build_mtp_drafter(runtime: Any, artifact: Any, config: SpeculativeConfig) -> MTPDrafter:
