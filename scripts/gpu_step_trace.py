@@ -111,19 +111,21 @@ def critical_path(trace: dict, step: str = "bench_step_3", top: int = 20) -> lis
 
 
 def between_graphs(trace: dict) -> list[str]:
-    """What the device runs between consecutive CUDA graph replays (a decode step's work outside its graph): the
-    time from one replay's last kernel to the next replay's first, over all boundaries, and for the median boundary
-    the operations launched outside any graph in it and the idle time."""
+    """What the device runs between consecutive CUDA graph replays (a decode step's work outside its graph) on the
+    graphs' stream: the time from one replay's last kernel to the next replay's first, over all boundaries, and for
+    the median boundary the operations launched outside any graph in it and the idle time."""
     events = trace["traceEvents"]
     launches = {
         e["args"]["correlation"]
         for e in events
         if e.get("ph") == "X" and e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})
     }
-    device = sorted(
-        (e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("correlation"))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    operations = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    graph_streams = {e["args"].get("stream") for e in operations if e["args"].get("correlation") in launches}
+    device = sorted(  # the graphs' stream only: copies on the side streams overlap it
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"], e["args"].get("correlation"))
+        for e in operations
+        if e["args"].get("stream") in graph_streams
     )
     replays: dict[int, tuple[float, float]] = {}
     boundaries, pending, graph_end = [], [], None
