@@ -60,6 +60,7 @@ log = logging.getLogger("ninfer.decode")
 
 MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from here
 SEGMENT_GROWTH = 4  # each graph segment of a step holds this many times the layers of the one before
+TOKEN_IDS, POSITIONS, CONTEXT_LENS, STATE_SLOTS, PAGE_TABLES = range(5)  # DecodeInputs' fields, in buffer order
 
 
 class DecodeInputs:
@@ -112,19 +113,16 @@ class DecodeInputs:
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the pinned buffer
-        token_ids, positions, context_lens, state_slots, page_tables = self._host_views
-        context_lens[...] = batch.context_lens
+        self._host_views[CONTEXT_LENS][...] = batch.context_lens
         width = batch.page_tables.shape[1]
         on_device = []
         fields = (
-            (batch.token_ids, token_ids, 0),
-            (batch.positions, positions, 1),
-            (batch.state_slots, state_slots, 3),
-            (batch.page_tables, page_tables[:, :width], 4),
+            (batch.token_ids, TOKEN_IDS), (batch.positions, POSITIONS), (batch.state_slots, STATE_SLOTS),
+            (batch.page_tables, PAGE_TABLES),
         )
-        for source, host_view, field in fields:
+        for source, field in fields:
             if source.device.type == "cpu":
-                host_view[...] = source.numpy()
+                _field(self._host_views, field, width)[...] = source.numpy()
             else:
                 on_device.append((field, source))
         mask = batch.state_update_mask  # a masked row's slot s goes to the kernels as -1 - s: read, not written
@@ -142,11 +140,12 @@ class DecodeInputs:
         ids = None
         landing = self._views(self._landing)
         for field, source in on_device:
-            if field == 0:
+            if field == TOKEN_IDS:
                 ids = source
             else:
-                (landing[field] if field != 4 else landing[4][:, :width]).copy_(source)
-        stage_inputs(self._landing, self.device_buffer, ids, mask, slots_at=self._bounds[2])
+                _field(landing, field, width).copy_(source)
+        slots_at = self._bounds[STATE_SLOTS - 1]  # where the field before the slots ends
+        stage_inputs(self._landing, self.device_buffer, ids, mask, slots_at=slots_at)
         self._staged.record()
 
     def _load_plain(self, on_device: list[tuple[int, torch.Tensor]], mask: torch.Tensor | None, width: int) -> None:
@@ -154,9 +153,14 @@ class DecodeInputs:
         self.device_buffer.copy_(self.host_buffer)
         views = self._views(self.device_buffer)
         for field, source in on_device:
-            (views[field] if field != 4 else views[4][:, :width]).copy_(source)
+            _field(views, field, width).copy_(source)
         if mask is not None:
             self.state_slots.copy_(torch.where(mask, self.state_slots, -1 - self.state_slots))
+
+
+def _field(views: tuple[Any, ...], field: int, width: int) -> Any:
+    """Field ``field`` of ``DecodeInputs._views``, the page tables cut to their first ``width`` columns."""
+    return views[field][:, :width] if field == PAGE_TABLES else views[field]
 
 
 @attrs.define
