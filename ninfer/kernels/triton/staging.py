@@ -77,7 +77,9 @@ def stage_inputs(
     if any(t.device != target.device or not t.is_contiguous() for t in tensors):
         raise ValueError("source, target, ids and mask must be contiguous tensors on one device")
     if source.dtype != torch.int64 or target.dtype != torch.int64 or source.shape != target.shape:
-        raise ValueError(f"source and target must be int64 of one shape; got {tuple(source.shape)}, {tuple(target.shape)}")
+        raise ValueError(
+            f"source and target must be int64 of one shape; got {tuple(source.shape)}, {tuple(target.shape)}"
+        )
     if ids is not None and ids.numel() > target.numel():
         raise ValueError(f"ids ({ids.numel()}) do not fit the buffer ({target.numel()})")
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 1 or slots_at + mask.numel() > target.numel()):
