@@ -85,10 +85,10 @@ class DecodeInputs:
         self._landing = torch.zeros_like(self.device_buffer) if cuda else None
         self._copied = torch.cuda.Event() if cuda else None  # the landing copy is done
         self._staged = torch.cuda.Event() if cuda else None  # the staging launch has read the landing buffer
-        self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._views(
-            self.device_buffer
-        )
+        self._device_views = self._views(self.device_buffer)
+        self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._device_views
         self._host_views = self._views(self.host_buffer.numpy())
+        self._landing_views = self._views(self._landing) if cuda else None
 
     def _views(self, buffer: Any) -> tuple[Any, ...]:
         """The five fields as views of ``buffer`` (the device tensor or the host numpy array)."""
@@ -138,12 +138,11 @@ class DecodeInputs:
         self._copied.record(stream)
         torch.cuda.current_stream(self.device_buffer.device).wait_event(self._copied)
         ids = None
-        landing = self._views(self._landing)
         for field, source in on_device:
             if field == TOKEN_IDS:
                 ids = source
             else:
-                _field(landing, field, width).copy_(source)
+                _field(self._landing_views, field, width).copy_(source)
         slots_at = self._bounds[STATE_SLOTS - 1]  # where the field before the slots ends
         stage_inputs(self._landing, self.device_buffer, ids, mask, slots_at=slots_at)
         self._staged.record()
@@ -151,9 +150,8 @@ class DecodeInputs:
     def _load_plain(self, on_device: list[tuple[int, torch.Tensor]], mask: torch.Tensor | None, width: int) -> None:
         """``load`` off CUDA: one copy into the device buffer, then the device fields and the masking as torch ops."""
         self.device_buffer.copy_(self.host_buffer)
-        views = self._views(self.device_buffer)
         for field, source in on_device:
-            _field(views, field, width).copy_(source)
+            _field(self._device_views, field, width).copy_(source)
         if mask is not None:
             self.state_slots.copy_(torch.where(mask, self.state_slots, -1 - self.state_slots))
 
