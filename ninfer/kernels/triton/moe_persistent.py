@@ -48,6 +48,7 @@ from ninfer.kernels.triton.norm_gemv import (
     launch_options,
     norm_weights,
     normed_product,
+    normed_tile,
     pdl_supported,
     summed_tile,
     weight_tile,
@@ -107,11 +108,16 @@ def resident_programs(compiled, warps: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Wait until ``target`` arrivals are counted; every earlier write of every program is then visible (read what
-    other programs wrote through L2, ``.cg``)."""
+def _arrive(counter_ptr):
+    """Count this program's arrival at a grid barrier (its earlier writes released); returns the count so far."""
     tl.debug_barrier()  # every thread's writes are issued before the release below
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+
+
+@triton.jit
+def _wait(counter_ptr, arrived, target):
+    """Wait (after ``_arrive``) until ``target`` arrivals are counted; every write that an arrival released is then
+    visible (read what other programs wrote through L2, ``.cg``)."""
     while arrived < target:
         arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
@@ -122,8 +128,7 @@ def _last_grid_barrier(counter_ptr, programs):
     """The second barrier, which also resets the counter: its last arrival (the ``2 * programs``-th) sets it to
     zero, and a waiter passes once it reads ``2 * programs`` or a value below ``programs`` (only the reset goes
     there: after the first barrier the count stays in ``[programs, 2 * programs]``)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    arrived = _arrive(counter_ptr)
     if arrived == 2 * programs:
         tl.atomic_xchg(counter_ptr, 0, sem="release", scope="gpu")
     while arrived < 2 * programs and arrived >= programs:
@@ -193,7 +198,7 @@ def _router_phase(
 ):
     """Logits of the program's router rows (``router_tile [ROWS, BLOCK_H]``, with the norm ``weights`` loaded
     beforehand), rounded as activations; with ``write_out`` the new residual stream and the normed row are stored for
-    the expert phases."""
+    the expert phases. Returns the experts' input row, fp32 ``[BLOCK_H]`` (what those phases load back)."""
     cols = tl.arange(0, BLOCK_H)
     t = tl.arange(0, 1)
     mask = (cols < hidden)[None, :]
@@ -206,9 +211,11 @@ def _router_phase(
             logits, router_tile, x, cols, mask, weights, rstd, hidden_out_ptr + t, normed_ptr + t, write_out,
             HAS_PENDING, True, 1,
         )
+        x = normed_tile(x, rstd, weights)
     else:
         logits = accumulate(logits, x, router_tile, 1)
     tl.store(logits_ptr + rows[None, :], logits.to(x.dtype).to(tl.float32), mask=row_valid[None, :])
+    return tl.reshape(x.to(tl.float32), (BLOCK_H,))
 
 
 @triton.jit
@@ -230,17 +237,17 @@ def _unit_rows(
 
 @triton.jit
 def _gate_up_tiles(
-    unit, first_unit, stop_unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+    unit, stop_unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
     shared_units, expert_units, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """The unit's whole gate and up rows ``([ROWS, BLOCK_H], [ROWS, BLOCK_H])``; zero unless ``first_unit <= unit
-    < stop_unit``."""
+    """The unit's whole gate and up rows ``([ROWS, BLOCK_H], [ROWS, BLOCK_H])``; zero unless ``unit <
+    stop_unit``."""
     _, _, row_valid, gate_rows, up_offset = _unit_rows(
         unit, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner, shared_units, expert_units,
         TOP_K, TOP_K_PAD, ROWS,
     )
-    valid = row_valid & (unit >= first_unit) & (unit < stop_unit)
+    valid = row_valid & (unit < stop_unit)
     gate = weight_tile(gate_rows, valid, 0, hidden, BLOCK_H)
     return gate, weight_tile(gate_rows + up_offset, valid, 0, hidden, BLOCK_H)
 
@@ -330,38 +337,46 @@ def _persistent_moe_kernel(
         router_tile = weight_tile(w_rows, row_valid, 0, hidden, BLOCK_H)
         cols = tl.arange(0, BLOCK_H)
         weights = norm_weights(norm_weight_ptr, cols, (cols < hidden) & NORM)
-    if PHASE == -1 or PHASE == 1:
+        no_experts = tl.zeros((TOP_K_PAD,), tl.int32)
         gate_tile, up_tile = _gate_up_tiles(
-            pid, 0, shared_units, tl.zeros((TOP_K_PAD,), tl.int32), gate_up_ptr, shared_gate_up_ptr, hidden, inner,
-            shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
+            pid, shared_units, no_experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+            shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
         )
     after_predecessor(PDL)
     _stamp(trace_ptr, 1, TRACE)
     if PHASE <= 0:
-        _router_phase(
+        x = _router_phase(
             router_tile, weights, rows, row_valid, hidden_ptr, pending_ptr, hidden_out_ptr, normed_ptr,
             logits_ptr, hidden, eps, pid == 0, NORM, HAS_PENDING, ROUTER_ROWS, BLOCK_H,
         )
     _stamp(trace_ptr, 2, TRACE)
     if PHASE == -1:
-        _grid_barrier(counter_ptr, programs)
+        arrived = _arrive(counter_ptr)
+    if PHASE <= 0:  # the program's first shared-expert unit, while the other programs' logits arrive
+        if pid < shared_units:
+            _gate_up_store(
+                gate_tile, up_tile, x, pid, no_experts, gate_up_ptr, shared_gate_up_ptr, act_ptr, act_stride, hidden,
+                inner, shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS,
+            )
+    if PHASE == -1:
+        _wait(counter_ptr, arrived, programs)
     _stamp(trace_ptr, 3, TRACE)
     if PHASE != 0:
         experts, weights, shared_gate = _route(logits_ptr, num_experts, TOP_K, TOP_K_PAD, BLOCK_E, NARROW_KEYS)
     _stamp(trace_ptr, 4, TRACE)
     if PHASE == -1 or PHASE == 1:  # each unit's successor loads while it computes
-        routed_gate, routed_up = _gate_up_tiles(
-            pid, shared_units, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
+        start = tl.where(pid < shared_units, pid + programs, pid)  # the first unit is done
+        gate_tile, up_tile = _gate_up_tiles(
+            start, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner, shared_inner,
             shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
         )
-        gate_tile += routed_gate
-        up_tile += routed_up
-        cols = tl.arange(0, BLOCK_H)
-        x_ptr = normed_ptr if NORM else hidden_ptr
-        x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
-        for unit in range(pid, gate_up_units, programs):
+        if PHASE == 1:  # the phase's own launch: the input row as phase 0 stored it
+            cols = tl.arange(0, BLOCK_H)
+            x_ptr = normed_ptr if NORM else hidden_ptr
+            x = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+        for unit in range(start, gate_up_units, programs):
             next_gate, next_up = _gate_up_tiles(
-                unit + programs, 0, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
+                unit + programs, gate_up_units, experts, gate_up_ptr, shared_gate_up_ptr, hidden, inner,
                 shared_inner, shared_units, expert_units, TOP_K, TOP_K_PAD, GATE_UP_ROWS, BLOCK_H,
             )
             _gate_up_store(

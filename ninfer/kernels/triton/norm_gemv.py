@@ -147,6 +147,13 @@ def norm_weights(norm_weight_ptr, cols, col_valid):
 
 
 @triton.jit
+def normed_tile(summed, rstd, weights):
+    """``rms_norm(summed) * (1 + weights)`` rounded to the activation dtype (``rstd`` from ``inverse_rms``)."""
+    scale = weights.to(tl.float32) + 1.0
+    return (summed.to(tl.float32) * rstd[:, None] * scale[None, :]).to(summed.dtype)
+
+
+@triton.jit
 def normed_product(
     acc, w, summed, cols, mask, weights, rstd, hidden_out_rows, normed_out_rows, write_out,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, TOKENS: tl.constexpr,
@@ -154,8 +161,7 @@ def normed_product(
     """``acc += normed[:, cols] @ w^T`` for a weight tile ``w [ROWS, len(cols)]``, the rows' ``summed`` tile
     (``summed_tile``) and the columns' norm ``weights`` (``norm_weights``); with ``write_out`` the tile's new residual
     stream (and normed rows) are stored too."""
-    scale = weights.to(tl.float32) + 1.0
-    normed = (summed.to(tl.float32) * rstd[:, None] * scale[None, :]).to(summed.dtype)
+    normed = normed_tile(summed, rstd, weights)
     if HAS_PENDING:
         tl.store(hidden_out_rows[:, None] + cols[None, :], summed, mask=mask & write_out)
     if KEEP_NORMED:
