@@ -10,7 +10,9 @@ name are in flight before its barrier:
 0. router: each program multiplies a few router rows (and the shared expert's gate row) with the block's input,
    normalised by every program itself (``rms_norm(hidden + pending) * (1 + w)``; program 0 writes the new residual
    stream and the normed row for phase 1). Its router rows and, where its first gate/up unit is the shared
-   expert's, that unit's rows are loaded before the wait for the previous kernel (programmatic dependent launch).
+   expert's, that unit's rows are loaded before the wait for the previous kernel (programmatic dependent launch);
+   that unit is multiplied between the program's arrival at the first barrier and its wait there, from the normed
+   row in registers (docs/performance.md, round 16).
 1. gate/up: every program routes the row itself from the logits (one bitonic top-k of (logit, -index) keys: the
    highest logits, the lower index first among equal ones; softmax renormalised over the selection) and runs units
    of ``gate_up_rows`` whole inner rows, the shared expert's first, then the selected experts', writing
