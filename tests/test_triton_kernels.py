@@ -32,7 +32,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
-from ninfer.kernels.triton.staging import stage_inputs, stop_update_mask  # noqa: E402
+from ninfer.kernels.triton.staging import decode_prologue, stage_inputs, stop_update_mask  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -273,6 +273,32 @@ def test_stage_inputs_refuses_a_mask_that_is_not_bool_or_outside_the_buffer():
         stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.int64, device=DEVICE), 0)
     with pytest.raises(ValueError, match="within the buffer"):
         stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.bool, device=DEVICE), 27)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decode_prologue_matches_the_embedding_and_the_slot_arithmetic(rows):
+    generator = torch.Generator().manual_seed(5)
+    hidden, vocab, page_size, width = (2048 if BIG else 72), 300, 16, 9
+    embed = randn(vocab, hidden)
+    token_ids = torch.randint(0, vocab, (rows,), generator=generator).to(DEVICE)
+    context = torch.randint(0, width * page_size, (rows,), generator=generator).to(DEVICE)
+    page_tables = torch.randperm(rows * width, generator=generator).view(rows, width).to(DEVICE)
+    got_hidden, got_slots, got_total = decode_prologue(token_ids, context, page_tables, embed, page_size)
+    pages = page_tables.gather(1, (context // page_size)[:, None]).squeeze(1)
+    assert torch.equal(got_hidden, F.embedding(token_ids, embed))
+    assert torch.equal(got_slots, pages * page_size + context % page_size)
+    assert torch.equal(got_total, context + 1)
+    assert got_slots.dtype == got_total.dtype == torch.int64
+
+
+def test_decode_prologue_refuses_mismatched_rows_and_devices():
+    embed = randn(10, 8)
+    ids, context = torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="page_tables"):
+        decode_prologue(ids, context, torch.zeros((2, 4), dtype=torch.int64, device=DEVICE), embed, 16)
+    if CUDA:
+        with pytest.raises(ValueError, match="device"):
+            decode_prologue(ids.cpu(), context, torch.zeros((3, 4), dtype=torch.int64, device=DEVICE), embed, 16)
 
 
 def test_stop_update_mask_matches_the_torch_rule():

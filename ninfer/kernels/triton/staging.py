@@ -1,4 +1,4 @@
-"""An overlapped decode step's device-side inputs, each in one launch between two CUDA graph replays.
+"""A decode step's device-side inputs, each in one launch: two between CUDA graph replays, one inside the graph.
 
 * ``stop_update_mask``: which rows' recurrent state takes the token it is fed (``ForwardBatch.state_update_mask``):
   the row feeds it and the sampled id is none of its stop ids. Twin: ``table[:, 0].bool() & ~(ids[:, None] ==
@@ -7,6 +7,10 @@
   on the device) in place of the token ids and the state slots of the rows that must not take the step turned
   into ``-1 - slot``. Twin: ``target.copy_(source)``, ``token_ids.copy_(ids)`` and ``slots.copy_(torch.where(mask,
   slots, -1 - slots))`` (five launches).
+* ``decode_prologue``: the first launch of a decode step, from its staged input buffer: each row's embedding, the KV
+  slot of its new token and its length with that token. Twin: ``F.embedding(token_ids, embed)``,
+  ``page_tables.gather(1, (context // page_size)[:, None]).squeeze(1) * page_size + context % page_size`` and
+  ``context + 1`` (seven launches, ~1.5 µs each in a graph).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from ninfer.kernels.triton import next_power_of_2
+from ninfer.kernels.triton.norm_gemv import pdl_supported
 
 
 @triton.jit
@@ -91,3 +98,52 @@ def stage_inputs(
         0 if ids is None else ids.numel(), slots_at, 0 if mask is None else mask.numel(),
         HAS_IDS=ids is not None, HAS_MASK=mask is not None, BLOCK=block, num_warps=1 if block <= 128 else 4,
     )
+
+
+@triton.jit
+def _decode_prologue_kernel(
+    token_ids_ptr, context_ptr, page_tables_ptr, table_stride, embed_ptr, hidden_ptr, slots_ptr, total_ptr,
+    page_size, hidden, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # the step's first layer (launched as a dependent) loads its weights while this runs
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    context = tl.load(context_ptr + row)
+    page = tl.load(page_tables_ptr + row * table_stride + context // page_size)
+    tl.store(slots_ptr + row, page * page_size + context % page_size)
+    tl.store(total_ptr + row, context + 1)
+    token = tl.load(token_ids_ptr + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    inside = cols < hidden
+    tl.store(hidden_ptr + row * hidden + cols, tl.load(embed_ptr + token * hidden + cols, mask=inside), mask=inside)
+
+
+def decode_prologue(
+    token_ids: torch.Tensor, context_lens: torch.Tensor, page_tables: torch.Tensor, embed: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden [R, H], slot_mapping [R], total_lens [R])`` of a decode step feeding token ``token_ids[r]`` to each
+    row ``r`` after its ``context_lens[r]`` cached tokens: the token's embedding (a row of ``embed [V, H]``), the
+    KV slot it is written to (through ``page_tables [R, W]``, ``page_size`` tokens a page) and the row's length with
+    it. Integer inputs of one dtype on ``embed``'s device; the slots and lengths come out in that dtype. One launch,
+    which lets a dependent launch (the step's first layer) start at once on sm_90+."""
+    rows = token_ids.shape[0]
+    if context_lens.shape != (rows,) or page_tables.dim() != 2 or page_tables.shape[0] != rows:
+        raise ValueError(
+            f"context_lens [R] and page_tables [R, W] must match token_ids [{rows}]; got "
+            f"{tuple(context_lens.shape)} and {tuple(page_tables.shape)}"
+        )
+    if embed.dim() != 2 or not embed.is_contiguous() or page_tables.stride(1) != 1:
+        raise ValueError("embed must be a contiguous [V, H] table and page_tables rows contiguous")
+    if any(t.device != embed.device for t in (token_ids, context_lens, page_tables)):
+        raise ValueError(f"token_ids, context_lens and page_tables must be on the embedding's device ({embed.device})")
+    width = embed.shape[1]
+    hidden = torch.empty((rows, width), dtype=embed.dtype, device=embed.device)
+    slots = torch.empty_like(context_lens)
+    total = torch.empty_like(context_lens)
+    if rows:
+        block = next_power_of_2(width)
+        _decode_prologue_kernel[(rows,)](
+            token_ids, context_lens, page_tables, page_tables.stride(0), embed, hidden, slots, total, page_size,
+            width, BLOCK_H=block, PDL=pdl_supported(embed.device), num_warps=4 if block <= 4096 else 8,
+        )
+    return hidden, slots, total

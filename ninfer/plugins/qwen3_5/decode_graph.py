@@ -44,7 +44,7 @@ from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_mo
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
 from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
-from ninfer.kernels.triton.staging import stage_inputs
+from ninfer.kernels.triton.staging import decode_prologue, stage_inputs
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
 from ninfer.plugins.qwen3_5.layers import (
@@ -270,7 +270,7 @@ class DecodeGraphRunner:
         if captured is not None:
             captured.inputs.load(batch)
             captured.replay()
-            hidden, logits = captured.hidden, captured.logits.clone()
+            hidden, logits = captured.hidden, captured.logits
             hidden = hidden.clone() if batch.return_hidden else None
         else:
             inputs = self._eager_inputs.get((rows, width))
@@ -280,8 +280,8 @@ class DecodeGraphRunner:
             hidden, logits = self.step(inputs, kv, state)
             if self.use_graphs:
                 self._graphs[key] = self._capture(rows, width, kv, state)
-        return ForwardOutput(
-            logits=None if batch.logits == "none" else logits,
+        return ForwardOutput(  # the fp32 cast is also the copy that the next replay cannot overwrite
+            logits=None if batch.logits == "none" else logits.to(torch.float32, copy=True),
             hidden=hidden if batch.return_hidden else None,
         )
 
@@ -317,20 +317,17 @@ class DecodeGraphRunner:
         return segment_bounds(len(self.model.layers), self.graph_segments)
 
     def step(self, inputs: DecodeInputs, kv: KVCache, state: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and fp32 logits."""
+        """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and the logits in
+        the activation dtype (``forward`` casts them to fp32)."""
         carry = self._layers(self._prologue(inputs, kv), inputs, kv, state, 0, len(self.model.layers))
         return self._epilogue(carry)
 
     def _prologue(self, inputs: DecodeInputs, kv: KVCache) -> StepCarry:
-        page_size = kv.page_size
-        context = inputs.context_lens
-        pages = inputs.page_tables.gather(1, (context // page_size)[:, None]).squeeze(1)
-        return StepCarry(
-            hidden=F.embedding(inputs.token_ids, self.model.embed_tokens),
-            pending=None,  # the previous block's output, not yet added to the residual stream
-            slot_mapping=pages * page_size + context % page_size,
-            total_lens=context + 1,
+        hidden, slot_mapping, total_lens = decode_prologue(
+            inputs.token_ids, inputs.context_lens, inputs.page_tables, self.model.embed_tokens, kv.page_size
         )
+        # pending: the previous block's output, not yet added to the residual stream
+        return StepCarry(hidden=hidden, pending=None, slot_mapping=slot_mapping, total_lens=total_lens)
 
     def _layers(
         self, carry: StepCarry, inputs: DecodeInputs, kv: KVCache, state: StateCache, start: int, stop: int
@@ -376,7 +373,7 @@ class DecodeGraphRunner:
 
     def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
         _, final = self._add_norm(carry.pending, carry.hidden, self.model.norm)
-        return final, self.model.logits(final)
+        return final, self.model.activation_logits(final)
 
     def _add_norm(
         self, pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor

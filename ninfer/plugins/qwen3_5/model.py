@@ -215,7 +215,11 @@ class Qwen35Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.activation_logits(hidden).float()
+
+    def activation_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in the activation dtype (what ``logits`` casts to fp32)."""
+        return F.linear(hidden, self.lm_head)
 
     def run(
         self,

@@ -242,7 +242,7 @@ class VerifyGraphRunner(DecodeGraphRunner):
             return tensor if captured is None else tensor.clone()  # the next replay overwrites static outputs
 
         return ForwardOutput(
-            logits=real(logits),
+            logits=real(logits).float(),
             hidden=real(hidden) if batch.return_hidden else None,
             states=buffers.captured(tokens),
             layer_hidden=real(layer_hidden) if layer_hidden is not None else None,
@@ -351,7 +351,8 @@ class VerifyGraphRunner(DecodeGraphRunner):
         ragged: RaggedInputs | None,
         layer_outputs: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One verify traversal over the static buffers: final-normed hidden ``[R*q, H]`` and fp32 logits ``[R*q, V]``.
+        """One verify traversal over the static buffers: final-normed hidden ``[R*q, H]`` and logits ``[R*q, V]`` in
+        the activation dtype (``forward`` casts them to fp32).
 
         ``ragged``: the inputs are a padded batch with these row lengths (None: every row has q tokens);
         ``layer_outputs``: layer index -> where its output goes (empty: none asked for).
