@@ -85,6 +85,17 @@ def test_add_norm_gemv_matches_twin(shape, tokens):
     assert rel_err(projected, ref_projected) < TOL
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_add_norm_gemv_stores_fp32_projections_with_the_activation_values(tokens):
+    """``out_dtype=float32`` (the lm_head's logits): the same values as the activation-dtype projection, widened."""
+    width, out_rows = ADD_NORM_SHAPES[-1]
+    hidden, pending = randn(tokens, width), randn(tokens, width)
+    norm_weight, weight = randn(width, scale=0.3), randn(out_rows, width, scale=0.05)
+    _, projected, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS)
+    _, widened, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32)
+    assert widened.dtype == torch.float32 and torch.equal(widened, projected.float())
+
+
 # (hidden, out rows, conv channels): the 35B-A3B GDN entry (q|k|v conv channels, then z, b, a); toy ones
 CONV_SHAPES = [(2048, 12352, 8192), (1000, 333, 200)] if CUDA else [(40, 37, 20), (64, 200, 64)]
 
@@ -304,6 +315,9 @@ def test_fused_gemvs_reject_bad_inputs():
         add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=ConvEpilogue(conv_weight, cache[:, :, :2], slots))
     with pytest.raises(ValueError, match="conv slots"):
         add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=ConvEpilogue(conv_weight, cache, slots[:1]))
+    with pytest.raises(ValueError, match="out_dtype"):
+        conv = ConvEpilogue(conv_weight, cache, slots)
+        add_norm_gemv(hidden, None, norm_weight, weight, EPS, conv=conv, out_dtype=torch.float64)
     heads, dim, out_rows = GATED_SHAPES[-1]
     core, z, gated_weight = randn(2, heads, dim), randn(2, heads * dim), randn(out_rows, heads * dim)
     with pytest.raises(ValueError, match="power-of-two"):

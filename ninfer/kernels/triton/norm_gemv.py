@@ -302,7 +302,7 @@ def _add_norm_gemv_kernel(
             acc, hidden_rows, pending_rows, norm_weight_ptr, rstd, token_valid, w_rows, row_valid, BLOCK_K, width,
             hidden_out_rows, normed_out_rows, write_out, HAS_PENDING, KEEP_NORMED, TOKENS, BLOCK_K,
         )
-    y = acc.to(out_ptr.dtype.element_ty)
+    y = acc.to(hidden_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as the activations
     if CONV:
         y = conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
     out = out_ptr + t[:, None] * out_features + rows[None, :]
@@ -335,6 +335,7 @@ def add_norm_gemv(
     *,
     keep_normed: bool = False,
     conv: ConvEpilogue | None = None,
+    out_dtype: torch.dtype | None = None,
     tiles: GemvTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(new hidden, projected, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
@@ -344,7 +345,8 @@ def add_norm_gemv(
     contiguous, e.g. a layer's fused input rows). ``keep_normed``: also return ``normed`` (for a second consumer).
     ``conv``: the first ``C`` projected columns come back as ``silu(conv)`` of the projection, their windows shifted
     in place (``ConvEpilogue``); then the kernel immediately before this one must not write the conv weight, cache
-    or slots (they load before the wait for it).
+    or slots (they load before the wait for it). ``out_dtype``: ``projected`` is stored in this dtype (rounded to the
+    activation dtype first, e.g. fp32 logits that equal the bf16 ones); default the activation dtype.
     """
     tokens, width = hidden.shape
     if not 1 <= tokens <= MAX_ROWS:
@@ -360,7 +362,9 @@ def add_norm_gemv(
     out_features = weight.shape[0]
     window = _check_conv(conv, tokens, out_features) if conv is not None else 0
     like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
-    out = torch.empty((tokens, out_features), **like_hidden)
+    out = torch.empty((tokens, out_features), dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if conv is not None and out.dtype != hidden.dtype:
+        raise ValueError("the conv epilogue writes the activation dtype: out_dtype must be left out with conv")
     new_hidden = torch.empty((tokens, width), **like_hidden) if pending is not None else hidden
     normed = torch.empty((tokens, width), **like_hidden) if keep_normed else None
     block_k = min(tiles.block_k, next_power_of_2(width))

@@ -280,7 +280,7 @@ class DecodeGraphRunner:
             hidden, logits = self.step(inputs, kv, state)
             if self.use_graphs:
                 self._graphs[key] = self._capture(rows, width, kv, state)
-        return ForwardOutput(  # the fp32 cast is also the copy that the next replay cannot overwrite
+        return ForwardOutput(  # an fp32 copy, which the next replay cannot overwrite
             logits=None if batch.logits == "none" else logits.to(torch.float32, copy=True),
             hidden=hidden if batch.return_hidden else None,
         )
@@ -317,8 +317,8 @@ class DecodeGraphRunner:
         return segment_bounds(len(self.model.layers), self.graph_segments)
 
     def step(self, inputs: DecodeInputs, kv: KVCache, state: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and the logits in
-        the activation dtype (``forward`` casts them to fp32)."""
+        """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and the logits
+        (``_epilogue``; ``forward`` returns an fp32 copy)."""
         carry = self._layers(self._prologue(inputs, kv), inputs, kv, state, 0, len(self.model.layers))
         return self._epilogue(carry)
 
@@ -372,8 +372,17 @@ class DecodeGraphRunner:
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
 
     def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
-        _, final = self._add_norm(carry.pending, carry.hidden, self.model.norm)
-        return final, self.model.activation_logits(final)
+        """``(final-normed hidden, logits with the activation dtype's values)``: where the layers fold their norms,
+        the final one goes inside the lm_head GEMV (faster than cuBLAS there: docs/performance.md, round 17), which
+        stores the logits as fp32."""
+        model, eps = self.model, self.config.rms_norm_eps
+        if carry.hidden.shape[0] <= min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS):
+            _, logits, final = add_norm_gemv(
+                carry.hidden, carry.pending, model.norm, model.lm_head, eps, keep_normed=True, out_dtype=torch.float32
+            )
+            return final, logits
+        _, final = self._add_norm(carry.pending, carry.hidden, model.norm)
+        return final, model.activation_logits(final)
 
     def _add_norm(
         self, pending: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor

@@ -351,8 +351,8 @@ class VerifyGraphRunner(DecodeGraphRunner):
         ragged: RaggedInputs | None,
         layer_outputs: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One verify traversal over the static buffers: final-normed hidden ``[R*q, H]`` and logits ``[R*q, V]`` in
-        the activation dtype (``forward`` casts them to fp32).
+        """One verify traversal over the static buffers: final-normed hidden ``[R*q, H]`` and logits ``[R*q, V]``
+        (``_epilogue``; ``forward`` returns them as fp32).
 
         ``ragged``: the inputs are a padded batch with these row lengths (None: every row has q tokens);
         ``layer_outputs``: layer index -> where its output goes (empty: none asked for).
