@@ -53,12 +53,18 @@ def pdl_supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def default_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
-    """The tiles of ``add_norm_gemv`` for ``tokens`` rows: 8 output rows over a whole 35B-A3B row per step at one
-    row (FMA; the fastest on the H200, ``scripts/gpu_norm_gemv.py``, docs/performance.md round 5), 32-row ``tl.dot``
-    tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row only)."""
+def default_tiles(tokens: int, device: torch.device | str = "cpu", width: int = 2048) -> GemvTiles:
+    """The tiles of ``add_norm_gemv`` for ``tokens`` rows of ``width``: at one row 8 output rows and column steps
+    of the largest power of two up to 2048 that divides the width (a whole 35B-A3B row, FMA; the fastest on the
+    H200, ``scripts/gpu_norm_gemv.py``, docs/performance.md round 5; 1024 at the 27B's 5120, whose lm_head ran at
+    3.7 TB/s in steps of 2048 and 4.5 TB/s in steps of 1024, ``scripts/gpu_lm_head.py``, round 17), 32-row
+    ``tl.dot`` tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row
+    only)."""
     if tokens == 1:
-        return GemvTiles(rows=8, block_k=2048, warps=4, stages=2, pdl=pdl_supported(device))
+        block_k = 2048
+        while block_k > 16 and width % block_k:
+            block_k //= 2
+        return GemvTiles(rows=8, block_k=block_k, warps=4, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
 
 
@@ -358,7 +364,7 @@ def add_norm_gemv(
         raise ValueError(f"weight must be a contiguous [O, {width}]; got {tuple(weight.shape)}")
     if norm_weight.shape != (width,) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be a contiguous [{width}]; got {tuple(norm_weight.shape)}")
-    tiles = tiles or default_tiles(tokens, hidden.device)
+    tiles = tiles or default_tiles(tokens, hidden.device, width)
     out_features = weight.shape[0]
     window = _check_conv(conv, tokens, out_features) if conv is not None else 0
     like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
