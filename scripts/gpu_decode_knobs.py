@@ -44,9 +44,9 @@ def tiles_of(key: tuple, rows: int, block_k: int, warps: int = 4, stages: int = 
     """A variant that gives the ``key`` tiles function these tiles at one row."""
     original = ORIGINAL[key]
 
-    def tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
+    def tiles(tokens: int, device: torch.device | str = "cpu", *width: int) -> GemvTiles:
         if tokens != 1:
-            return original(tokens, device)
+            return original(tokens, device, *width)
         return GemvTiles(rows=rows, block_k=block_k, warps=warps, stages=stages, pdl=original(tokens, device).pdl)
 
     return lambda decoder: setattr(*key, tiles)

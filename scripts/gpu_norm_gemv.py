@@ -237,9 +237,9 @@ def use_tiles(choice: dict | None) -> None:
         return
 
     def picker(kernel: str, table: dict, original: Callable) -> Callable:
-        def tiles(tokens: int, device: torch.device | str = "cpu"):
+        def tiles(tokens: int, device: torch.device | str = "cpu", *width: int):
             label = choice.get(kernel, {}).get("1" if tokens == 1 else "8")
-            default = original(tokens, device)
+            default = original(tokens, device, *width)
             if label is None:
                 return default
             chosen = table[1 if tokens == 1 else 8][label]
