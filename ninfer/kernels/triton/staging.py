@@ -124,7 +124,7 @@ def decode_prologue(
     """``(hidden [R, H], slot_mapping [R], total_lens [R])`` of a decode step feeding token ``token_ids[r]`` to each
     row ``r`` after its ``context_lens[r]`` cached tokens: the token's embedding (a row of ``embed [V, H]``), the
     KV slot it is written to (through ``page_tables [R, W]``, ``page_size`` tokens a page) and the row's length with
-    it. Integer inputs of one dtype on ``embed``'s device; the slots and lengths come out in that dtype. One launch,
+    it. Integer inputs on ``embed``'s device; the slots and lengths come out in ``context_lens``'s dtype. One launch,
     which lets a dependent launch (the step's first layer) start at once on sm_90+."""
     rows = token_ids.shape[0]
     if context_lens.shape != (rows,) or page_tables.dim() != 2 or page_tables.shape[0] != rows:
