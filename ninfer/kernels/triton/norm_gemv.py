@@ -31,9 +31,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ninfer.kernels.triton import next_power_of_2
+from ninfer.kernels.triton import interpreting, next_power_of_2
 
 MAX_ROWS = 64  # activation rows one call takes (a padded tl.dot tile beyond 16 rows)
+INTERPRETER_ROWS = 512  # output rows per program at one row in Triton's interpreter, which runs programs one by one
+# (the 248320-row lm_head of the test presets would be 31040 programs of 8 rows)
 
 
 @attrs.frozen
@@ -59,12 +61,13 @@ def default_tiles(tokens: int, device: torch.device | str = "cpu", width: int = 
     H200, ``scripts/gpu_norm_gemv.py``, docs/performance.md round 5; 1024 at the 27B's 5120, whose lm_head ran at
     3.7 TB/s in steps of 2048 and 4.5 TB/s in steps of 1024, ``scripts/gpu_lm_head.py``, round 17), 32-row
     ``tl.dot`` tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row
-    only)."""
+    only). Triton's interpreter takes ``INTERPRETER_ROWS`` output rows per program at one row."""
     if tokens == 1:
         block_k = 2048
         while block_k > 16 and width % block_k:
             block_k //= 2
-        return GemvTiles(rows=8, block_k=block_k, warps=4, stages=2, pdl=pdl_supported(device))
+        rows = INTERPRETER_ROWS if interpreting() else 8
+        return GemvTiles(rows=rows, block_k=block_k, warps=4, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
 
 
