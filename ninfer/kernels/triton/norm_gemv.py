@@ -56,16 +56,17 @@ def pdl_supported(device: torch.device | str) -> bool:
 
 
 def default_tiles(tokens: int, device: torch.device | str = "cpu", width: int = 2048) -> GemvTiles:
-    """The tiles of ``add_norm_gemv`` for ``tokens`` rows of ``width``: at one row 8 output rows and column steps
-    of the largest power of two up to 2048 that divides the width (a whole 35B-A3B row, FMA; the fastest on the
-    H200, ``scripts/gpu_norm_gemv.py``, docs/performance.md round 5; 1024 at the 27B's 5120, whose lm_head ran at
-    3.7 TB/s in steps of 2048 and 4.5 TB/s in steps of 1024, ``scripts/gpu_lm_head.py``, round 17), 32-row
-    ``tl.dot`` tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row
-    only). Triton's interpreter takes ``INTERPRETER_ROWS`` output rows per program at one row."""
+    """The tiles of ``add_norm_gemv`` for ``tokens`` rows of ``width``: at one row 8 output rows and whole rows of
+    up to 2048 columns per step (a whole 35B-A3B row, FMA; the fastest on the H200, ``scripts/gpu_norm_gemv.py``,
+    docs/performance.md round 5); wider rows in steps of the largest power of two from 256 to 2048 that divides
+    the width, so no step is mostly masked (1024 at the 27B's 5120, whose lm_head ran at 3.7 TB/s in steps of 2048
+    and 4.5 TB/s in steps of 1024, ``scripts/gpu_lm_head.py``, round 17), else 2048. 32-row ``tl.dot`` tiles with
+    256-column steps for more (slower than cuBLAS there: the runner folds norms at one row only). Triton's
+    interpreter takes ``INTERPRETER_ROWS`` output rows per program at one row."""
     if tokens == 1:
         block_k = 2048
-        while block_k > 16 and width % block_k:
-            block_k //= 2
+        if width > block_k:
+            block_k = next((step for step in (2048, 1024, 512, 256) if width % step == 0), 2048)
         rows = INTERPRETER_ROWS if interpreting() else 8
         return GemvTiles(rows=rows, block_k=block_k, warps=4, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
