@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.triton import next_power_of_2
-from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
+from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, release_dependents, resolve_pdl
 
 
 @triton.jit
@@ -38,6 +38,7 @@ def _qk_norm_rope_kernel(
     ROTARY: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # the attention splits load cached keys, staged tables and lengths before their wait
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, D)
@@ -63,7 +64,7 @@ def _qk_norm_rope_kernel(
     weight = tl.load(norm_ptr + d).to(tl.float32) + 1.0
     weight_partner = tl.load(norm_ptr + partner).to(tl.float32) + 1.0
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    after_predecessor(PDL)  # only the projection row is the predecessor's
+    after_predecessor(PDL, True)  # only the projection row is the predecessor's
     raw = tl.load(base + d)
     x = raw.to(tl.float32)
     x_partner = tl.load(base + partner).to(tl.float32)
@@ -150,6 +151,7 @@ def _partial_kernel(
     """One split of one row's KV for all ``TOKENS x GROUP`` queries of a KV head (decode: ``TOKENS`` 1), causal
     among the row's new tokens; writes the split's running max, sum and unnormalised output per query. The first
     block's cached keys and values are loaded before the predecessor wait (it writes only the new tokens' KV)."""
+    release_dependents(PDL)  # the merge loads only the token lengths (staged) before its wait
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,7 +166,7 @@ def _partial_kernel(
     cached = (valid & (index < context))[:, None]
     first_k = tl.load(key_cache_ptr + offsets, mask=cached, other=0.0)
     first_v = tl.load(value_cache_ptr + offsets, mask=cached, other=0.0)
-    after_predecessor(PDL)  # the predecessor writes the queries and the new tokens' KV
+    after_predecessor(PDL, True)  # the predecessor writes the queries and the new tokens' KV
     if start < total:
         m = tl.arange(0, M_PAD)  # query m of this KV head: the row's token m // GROUP, query head m % GROUP
         valid_query = m < TOKENS * GROUP
@@ -246,15 +248,16 @@ def _reduce_kernel(
     PDL: tl.constexpr,
 ):
     """Merge one query's split results (running max, sum, output) into its attention output, times sigmoid(gate)."""
+    release_dependents(PDL)  # its successor (the out projection) loads only weights before its wait
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     used = tl.cdiv(tl.load(token_lens_ptr + token), SPLIT)  # the splits that hold this token's keys
     base = (token * QUERY_HEADS + head) * num_splits
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    if HAS_GATE:  # from the projection, two launches back: not the predecessor's
+    after_predecessor(PDL, True)  # the predecessor writes the split results
+    if HAS_GATE:  # the projection's, three launches back: it may still run before this wait (the splits start early)
         gate = tl.load(gate_ptr + token * gate_row_stride + head * gate_head_stride + d).to(tl.float32)
-    after_predecessor(PDL)  # the predecessor writes the split results
     best = tl.full((), float("-inf"), tl.float32)  # one pass: the running maximum rescales what is summed so far
     total = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)

@@ -17,10 +17,12 @@ reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependen
 sm_90+) a program loads its first weight tile, then waits for the predecessor's writes (``griddepcontrol.wait``):
 the weights stream while the previous kernel drains.
 
-The JIT helpers here (``after_predecessor``, ``weight_tile``, ``accumulate``, ``summed_tile``, ``norm_weights``,
-``normed_product``, ``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
+The JIT helpers here (``weight_tile``, ``accumulate``, ``summed_tile``, ``norm_weights``, ``normed_product``,
+``inverse_rms``, ``dot_normed_rows_from``) are shared with the MoE decode kernels (``moe_grouped``,
 ``moe_persistent``), whose routers normalise their input the same way; ``conv_windows`` / ``conv_epilogue`` (the
-Gated DeltaNet conv step of ``ConvEpilogue``) with the conv decode kernel (``conv``).
+Gated DeltaNet conv step of ``ConvEpilogue``) with the conv decode kernel (``conv``); ``after_predecessor`` and
+``release_dependents`` (where a kernel waits for its predecessor and lets its successor start) with every decode
+kernel launched as a programmatic dependent.
 """
 
 from __future__ import annotations
@@ -106,10 +108,24 @@ def token_block(tokens: int, *rows_per_program: int) -> int:
 
 
 @triton.jit
-def after_predecessor(PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the previous kernel's writes are visible, let the next start."""
+def after_predecessor(PDL: tl.constexpr, DEPENDENTS_STARTED: tl.constexpr = False):
+    """With programmatic dependent launch: wait until the previous kernel's writes are visible, and let the next
+    start unless ``release_dependents`` already did."""
     if PDL:
         gdc_wait()
+        if not DEPENDENTS_STARTED:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """With programmatic dependent launch: let the next kernel start now, before this one waits for its own
+    predecessor (then ``after_predecessor(PDL, True)``). The successor may then start while this kernel's
+    predecessor still runs (and that one's, where it released early too), so what the successor loads before its
+    own wait must not be written by any of them (weights, staged inputs, caches of earlier steps). The decode
+    attention's q/k norm, splits and merge do this (35B-A3B graphs 2.059-2.070 -> 2.044-2.045 ms,
+    docs/performance.md round 18); the gated delta step and the out projections do not (slower)."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -19,10 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from ninfer.kernels.triton import next_power_of_2
-from ninfer.kernels.triton.norm_gemv import pdl_supported
+from ninfer.kernels.triton.norm_gemv import pdl_supported, release_dependents
 
 
 @triton.jit
@@ -105,8 +103,7 @@ def _decode_prologue_kernel(
     token_ids_ptr, context_ptr, page_tables_ptr, table_stride, embed_ptr, hidden_ptr, slots_ptr, total_ptr,
     page_size, hidden, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # the step's first layer (launched as a dependent) loads its weights while this runs
-        gdc_launch_dependents()
+    release_dependents(PDL)  # the step's first layer (launched as a dependent) loads its weights while this runs
     row = tl.program_id(0).to(tl.int64)
     context = tl.load(context_ptr + row)
     page = tl.load(page_tables_ptr + row * table_stride + context // page_size)
