@@ -95,9 +95,9 @@ def step(name: str, device: torch.device, clock: Clock, tuned: tuple[int, ...] |
     for label, (down_rows, out_rows), tile in runs:
         decoder.down_gemv_rows, decoder.out_gemv_rows = down_rows, out_rows
         act_gemv_module.default_act_tiles = DEFAULT_TILES if tile is None else (
-            lambda tokens, dev="cpu", t=tile: attrs.evolve(DEFAULT_TILES(tokens, dev), rows=t[0], block_k=t[1],
-                                                           warps=t[2], stages=t[3]) if tokens == 1
-            else DEFAULT_TILES(tokens, dev))
+            lambda tokens, dev="cpu", silu_mul=False, t=tile: attrs.evolve(
+                DEFAULT_TILES(tokens, dev, silu_mul), rows=t[0], block_k=t[1], warps=t[2], stages=t[3]
+            ) if tokens == 1 else DEFAULT_TILES(tokens, dev, silu_mul))
         decoder.reset()
         try:
             elapsed, _, replay_ms = bench_ninfer_decode(runtime, prompt, 32, clock)

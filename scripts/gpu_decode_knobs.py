@@ -44,9 +44,9 @@ def tiles_of(key: tuple, rows: int, block_k: int, warps: int = 4, stages: int = 
     """A variant that gives the ``key`` tiles function these tiles at one row."""
     original = ORIGINAL[key]
 
-    def tiles(tokens: int, device: torch.device | str = "cpu", *width: int) -> GemvTiles:
+    def tiles(tokens: int, device: torch.device | str = "cpu", *shape) -> GemvTiles:
         if tokens != 1:
-            return original(tokens, device, *width)
+            return original(tokens, device, *shape)
         return GemvTiles(rows=rows, block_k=block_k, warps=warps, stages=stages, pdl=original(tokens, device).pdl)
 
     return lambda decoder: setattr(*key, tiles)
@@ -98,6 +98,7 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "act 4x4096 w8": (tiles_of(ACT, 4, 4096, warps=8),),
     "act 2x4096 w8": (tiles_of(ACT, 2, 4096, warps=8),),
     "act 4x2048 w8": (tiles_of(ACT, 4, 2048, warps=8),),
+    "act 4x1024 s3": (tiles_of(ACT, 4, 1024, stages=3),),
     "entry 4x2048": (tiles_of(ENTRY, 4, 2048),),
     "entry 16x2048 w8": (tiles_of(ENTRY, 16, 2048, warps=8),),
     "entry 8x2048 w8": (tiles_of(ENTRY, 8, 2048, warps=8),),

@@ -32,14 +32,19 @@ from ninfer.kernels.triton.norm_gemv import (
 )
 
 
-def default_act_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
-    """The tiles of ``act_gemv`` for ``tokens`` rows: at one row 4 output rows per program over 1024-column steps
-    (FMA reductions; the fastest of 8 tile sets on the H200 for the 27B down projection, 43.7 µs against 50.5 µs for
-    SiLU·mul + cuBLAS, and the output projections, ``scripts/gpu_act_gemv.py``), 32-row ``tl.dot`` tiles with
+def default_act_tiles(tokens: int, device: torch.device | str = "cpu", silu_mul: bool = False) -> GemvTiles:
+    """The tiles of ``act_gemv`` for ``tokens`` rows: at one row 4 output rows per program, over 1024-column steps
+    at 4 warps with ``silu_mul`` (the fastest of 8 tile sets on the H200 for the 27B down projection, 43.7 µs
+    against 50.5 µs for SiLU·mul + cuBLAS, ``scripts/gpu_act_gemv.py``) and over 2048-column steps at 8 warps for
+    plain products (the mixers' output projections, which start beside the decode attention: 35B-A3B step 0.01-0.02
+    ms shorter, ``scripts/gpu_decode_knobs.py``, docs/performance.md round 18); 32-row ``tl.dot`` tiles with
     256-column steps for more."""
+    pdl = pdl_supported(device)
+    if tokens == 1 and silu_mul:
+        return GemvTiles(rows=4, block_k=1024, warps=4, stages=3, pdl=pdl)
     if tokens == 1:
-        return GemvTiles(rows=4, block_k=1024, warps=4, stages=3, pdl=pdl_supported(device))
-    return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
+        return GemvTiles(rows=4, block_k=2048, warps=8, stages=2, pdl=pdl)
+    return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl)
 
 
 @triton.jit
@@ -98,7 +103,7 @@ def act_gemv(
         raise ValueError(f"silu_mul needs x = [gate | up] of an even width; got {columns} columns")
     if weight.dim() != 2 or weight.shape[1] != width or weight.stride() != (width, 1):
         raise ValueError(f"weight must be a contiguous [O, {width}]; got {tuple(weight.shape)}")
-    tiles = tiles or default_act_tiles(tokens, x.device)
+    tiles = tiles or default_act_tiles(tokens, x.device, silu_mul)
     out_features = weight.shape[0]
     out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
     _act_gemv_kernel[(triton.cdiv(out_features, tiles.rows),)](
