@@ -79,6 +79,7 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "split 32": (split_minimum(32),),
     "segments 1": (SEGMENTS_1,),
     "segments 2": (decoder_attribute("graph_segments", 2),),
+    "fold norms": (decoder_attribute("norm_gemv_rows", 1),),  # the 27B's default is 0 (round 17's lead)
     "value split 2": (decoder_attribute("gdn_value_split", 2),),
     "value split 8": (decoder_attribute("gdn_value_split", 8),),
     "gated 4x2048": (tiles_of(GATED, 4, 2048),),
@@ -121,7 +122,7 @@ def main(out_dir: str, preset: str, *names: str) -> int:
     bandwidth = copy_bandwidth(device, clock)
     runtime = random_runtime(preset, device=device)
     decoder = runtime.decoder
-    defaults = {"graph_segments": decoder.graph_segments, "gdn_value_split": decoder.gdn_value_split}
+    defaults = {name: getattr(decoder, name) for name in ("graph_segments", "gdn_value_split", "norm_gemv_rows")}
     roofline_ms = step_bytes(runtime, 1, 256 + 4) / bandwidth * 1e3
     prompt = torch.randint(0, runtime.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     results: list[dict] = []
