@@ -151,7 +151,7 @@ def _partial_kernel(
     """One split of one row's KV for all ``TOKENS x GROUP`` queries of a KV head (decode: ``TOKENS`` 1), causal
     among the row's new tokens; writes the split's running max, sum and unnormalised output per query. The first
     block's cached keys and values are loaded before the predecessor wait (it writes only the new tokens' KV)."""
-    release_dependents(PDL)  # the merge loads only the token lengths (staged) before its wait
+    release_dependents(PDL)  # the merge loads only the token lengths (the step prologue's) before its wait
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
