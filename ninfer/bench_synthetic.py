@@ -53,6 +53,20 @@ class Clock:
         torch.cuda.synchronize()
         return start.elapsed_time(stop)
 
+    def measure_from_mark(self, work: Callable[[Callable[[], None]], Any]) -> float:
+        """Elapsed milliseconds from the point where ``work`` calls the function it is given (once; on a GPU: the
+        device work queued by then done) to the end of ``work``."""
+        if not self.cuda:
+            marks: list[float] = []
+            work(lambda: marks.append(time.perf_counter()))
+            return (time.perf_counter() - marks[0]) * 1e3
+        mark, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        work(mark.record)
+        stop.record()
+        torch.cuda.synchronize()
+        return mark.elapsed_time(stop)
+
 
 def copy_bandwidth(device: torch.device, clock: Clock, *, nbytes: int = COPY_BYTES, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats, after
@@ -165,8 +179,13 @@ class Rows:
 def bench_ninfer_decode(
     runtime: Qwen35Runtime, prompts: torch.Tensor, steps: int, clock: Clock, warmup: int = 8, overlap: bool = False
 ) -> tuple[float, list[int], float | None]:
-    """(ms for ``steps`` decode steps of all rows, greedy tokens of row 0 incl. the one from the prompt, ms of one
-    bare graph replay back to back, without host work, or None without graphs).
+    """(ms for ``steps`` decode steps of all rows in the steady state, greedy tokens of row 0 incl. the one from the
+    prompt, ms of one bare graph replay back to back, without host work, or None without graphs).
+
+    The clock starts when the first of ``steps + 1`` consecutive steps has finished on the device: the time the
+    host takes to launch a loop's first step (0.24-0.45 ms once, 8-14 µs per step of 32 on the H200 with 35B-A3B,
+    ``scripts/gpu_decode_fill.py``) is not a per-token cost, and transformers' decode time (``bench_transformers``,
+    a difference of two ``generate`` calls) leaves its fixed costs out too.
 
     ``overlap``: each timed step is launched on the previous step's ids while they are still on the device, and the
     host then waits only for their copy (the engine's ``overlap_decode``); otherwise every step waits for its tokens
@@ -176,27 +195,31 @@ def bench_ninfer_decode(
     first overlapped steps allocate pinned buffers) let the process settle: the first timed
     steps of a fresh process after only 3 of them ran ~30 ms slower in all (H200, 27B: 14.6 vs 14.2 ms per step
     over 64 steps, ``scripts/gpu_gc_check.py``)."""
-    rows = Rows(runtime, prompts.shape[0], prompts.shape[1] + warmup + steps + 1)
+    rows = Rows(runtime, prompts.shape[0], prompts.shape[1] + warmup + steps + 2)
     with torch.no_grad():
         tokens = rows.forward(list(prompts))
         generated = [int(tokens[0])]
         holder = {"tokens": rows.forward(list(tokens[:, None]))}  # the first decode step captures the graph
         generated.append(int(holder["tokens"][0]))
 
-        def run(count: int) -> None:
+        def run(count: int, mark: Callable[[], None] = lambda: None) -> None:
             current = holder["tokens"]
-            for _ in range(count):
+            for step in range(count):
                 current = rows.forward(list(current[:, None]))
                 generated.append(int(current[0]))
+                if not step:
+                    mark()
             holder["tokens"] = current
 
-        def run_overlapped(count: int) -> None:
+        def run_overlapped(count: int, mark: Callable[[], None] = lambda: None) -> None:
             if not count:
                 return
             ids = holder["tokens"].to(runtime.model.device)
             for step in range(count):
                 copy = HostCopy(ids) if step else None  # the ids this step feeds reach the host while it runs
                 following = rows.forward_ahead(ids)
+                if not step:
+                    mark()
                 if copy is not None:
                     generated.append(int(copy.wait()[0]))
                 ids = following
@@ -205,12 +228,19 @@ def bench_ninfer_decode(
 
         loop = run_overlapped if overlap else run
         loop(warmup - 1)  # the same loop as the timed steps: its first overlapped steps allocate pinned buffers
-        elapsed = clock.measure(lambda: loop(steps))
+        elapsed = clock.measure_from_mark(lambda mark: loop(steps + 1, mark))
         replay_ms = None
         captured = runtime.decoder.captured(prompts.shape[0]) if runtime.decoder is not None else []
         if captured:
             step = captured[-1]  # the one bound to these rows' caches
-            replay_ms = clock.measure(lambda: [step.replay() for _ in range(steps)]) / steps
+
+            def replays(mark: Callable[[], None]) -> None:
+                step.replay()
+                mark()
+                for _ in range(steps):
+                    step.replay()
+
+            replay_ms = clock.measure_from_mark(replays) / steps
     return elapsed, generated, replay_ms
 
 
