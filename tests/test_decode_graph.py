@@ -106,16 +106,20 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
     eager = DecodeGraphRunner(model, fused, use_graphs=False, **options)
     graphs = DecodeGraphRunner(model, fused, use_graphs=True, **options) if CUDA else None
     graph_caches = caches.clone() if CUDA else None
-    for step in range(6):
+    returned = []  # (logits a step returned, a copy): no later step may overwrite them
+    for step in range(7):
         active = rows[: 3 if step < 3 else 2 if step < 5 else 1]  # the batch shrinks: 3, 2, then 1 row
         tokens = [[int(t)] for t in torch.randint(0, vocab, (len(active),))]
         expected = reference.forward(caches.batch(active, tokens), caches.kv, caches.state)
         got = eager.forward(ours.batch(active, tokens), ours.kv, ours.state)
         assert rel_err(got.logits, expected.logits) < TOL, step
         assert rel_err(got.hidden, expected.hidden) < TOL, step
+        returned.append((got.logits, got.logits.clone()))
         if graphs is not None:
             replayed = graphs.forward(graph_caches.batch(active, tokens), graph_caches.kv, graph_caches.state)
             assert rel_err(replayed.logits, got.logits) < 1e-6, step
+            returned.append((replayed.logits, replayed.logits.clone()))
+    assert all(torch.equal(logits, copy) for logits, copy in returned)
     for got_ssm, expected_ssm in zip(ours.state.ssm, caches.state.ssm):
         assert rel_err(got_ssm, expected_ssm) < TOL
     for got_conv, expected_conv in zip(ours.state.conv, caches.state.conv):

@@ -96,6 +96,35 @@ def test_add_norm_gemv_stores_fp32_projections_with_the_activation_values(tokens
     assert widened.dtype == torch.float32 and torch.equal(widened, projected.float())
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_add_norm_gemv_stores_through_a_staged_address_into_each_call_s_own_tensor(tokens):
+    """``out_address`` (the decode step's logits): the kernel stores the projection at the address the tensor holds
+    when it runs, so a captured launch replayed with another address fills another tensor."""
+    width, out_rows = ADD_NORM_SHAPES[-1]
+    hidden, pending = randn(tokens, width), randn(tokens, width)
+    norm_weight, weight = randn(width, scale=0.3), randn(out_rows, width, scale=0.05)
+    _, expected, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32)
+    targets = [torch.full((tokens, out_rows), -7.0, device=DEVICE) for _ in range(2)]
+    address = torch.tensor([targets[0].data_ptr()], device=DEVICE)
+    new_hidden, projected, _ = add_norm_gemv(
+        hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32, out_address=address
+    )
+    assert projected is None and torch.equal(targets[0], expected) and torch.equal(new_hidden, hidden + pending)
+    assert (targets[1] == -7.0).all()
+    if CUDA:  # one capture, two replays: each writes the tensor staged for it, the other stays as it was
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32, out_address=address)
+        for target, other in (targets[1], targets[0]), (targets[0], targets[1]):
+            other.fill_(-7.0)
+            address.fill_(target.data_ptr())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(target, expected) and (other == -7.0).all()
+    with pytest.raises(ValueError, match="out_address"):
+        add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_address=address.to(torch.int32))
+
+
 # (hidden, out rows, conv channels): the 35B-A3B GDN entry (q|k|v conv channels, then z, b, a); toy ones
 CONV_SHAPES = [(2048, 12352, 8192), (1000, 333, 200)] if CUDA else [(40, 37, 20), (64, 200, 64)]
 

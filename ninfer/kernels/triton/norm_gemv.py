@@ -281,10 +281,10 @@ def conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WIN
 def _add_norm_gemv_kernel(
     hidden_ptr, hidden_stride, pending_ptr, pending_stride, norm_weight_ptr, w_ptr, out_ptr, hidden_out_ptr,
     normed_out_ptr, tokens, out_features, width, eps,
-    conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels,
+    conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels, out_address_ptr,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, CONV: tl.constexpr, WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
+    OUT_AT_ADDRESS: tl.constexpr, PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
@@ -331,6 +331,8 @@ def _add_norm_gemv_kernel(
     y = acc.to(hidden_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as the activations
     if CONV:
         y = conv_epilogue(y, rows, conv_weight_ptr, window_ptr, conv_mask, update, pasts, WINDOW)
+    if OUT_AT_ADDRESS:  # staged before the launch (not the predecessor's)
+        out_ptr = tl.load(out_address_ptr).to(tl.pointer_type(out_ptr.dtype.element_ty))
     out = out_ptr + t[:, None] * out_features + rows[None, :]
     tl.store(out, y, mask=token_valid[:, None] & row_valid[None, :])
 
@@ -362,9 +364,10 @@ def add_norm_gemv(
     keep_normed: bool = False,
     conv: ConvEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
+    out_address: torch.Tensor | None = None,
     tiles: GemvTiles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(new hidden, projected, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(new hidden, projected or None, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
 
     ``new hidden = hidden + pending`` (rounded; ``hidden`` itself without ``pending``), ``normed =
     rms_norm(new hidden) * (1 + norm_weight)`` (rounded), ``projected = normed @ weight^T`` (``weight [O, H]``
@@ -373,6 +376,9 @@ def add_norm_gemv(
     in place (``ConvEpilogue``); then the kernel immediately before this one must not write the conv weight, cache
     or slots (they load before the wait for it). ``out_dtype``: ``projected`` is stored in this dtype (rounded to the
     activation dtype first, e.g. fp32 logits that equal the bf16 ones); default the activation dtype.
+    ``out_address``: a one-element int64 tensor on the device that holds, when the kernel runs, the address of the
+    contiguous ``[N, O]`` tensor of that dtype to store ``projected`` in (so each replay of a captured graph writes
+    into a tensor of its own); ``projected`` is then returned as None.
     """
     tokens, width = hidden.shape
     if not 1 <= tokens <= MAX_ROWS:
@@ -388,7 +394,12 @@ def add_norm_gemv(
     out_features = weight.shape[0]
     window = _check_conv(conv, tokens, out_features) if conv is not None else 0
     like_hidden = dict(dtype=hidden.dtype, device=hidden.device)
-    out = torch.empty((tokens, out_features), dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if out_address is not None and (
+        out_address.shape != (1,) or out_address.dtype != torch.int64 or out_address.device != hidden.device
+    ):
+        raise ValueError(f"out_address must be a one-element int64 tensor on {hidden.device}")
+    out_shape = (tokens, out_features) if out_address is None else (1,)  # else only the pointer's type
+    out = torch.empty(out_shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if conv is not None and out.dtype != hidden.dtype:
         raise ValueError("the conv epilogue writes the activation dtype: out_dtype must be left out with conv")
     new_hidden = torch.empty((tokens, width), **like_hidden) if pending is not None else hidden
@@ -400,12 +411,13 @@ def add_norm_gemv(
         normed if keep_normed else out, tokens, out_features, width, eps,
         *((conv.weight, conv.cache, conv.cache.stride(0), conv.slots, conv.weight.shape[0]) if conv is not None
           else (weight, weight, 0, weight, 0)),
+        out_address if out_address is not None else out,
         TOKENS=token_block(tokens, tiles.rows), ROWS=tiles.rows, BLOCK_K=block_k, WHOLE_ROW=block_k >= width,
         HAS_PENDING=pending is not None, KEEP_NORMED=keep_normed, CONV=conv is not None, WINDOW=window,
-        PDL=tiles.pdl, num_warps=tiles.warps,
+        OUT_AT_ADDRESS=out_address is not None, PDL=tiles.pdl, num_warps=tiles.warps,
         num_stages=tiles.stages, **launch_options(tiles.pdl),
     )
-    return new_hidden, out, normed
+    return new_hidden, out if out_address is None else None, normed
 
 
 def _check_conv(conv: ConvEpilogue, tokens: int, out_features: int) -> int:

@@ -60,7 +60,8 @@ log = logging.getLogger("ninfer.decode")
 
 MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from here
 SEGMENT_GROWTH = 4  # each graph segment of a step holds this many times the layers of the one before
-TOKEN_IDS, POSITIONS, CONTEXT_LENS, STATE_SLOTS, PAGE_TABLES = range(5)  # DecodeInputs' fields, in buffer order
+# DecodeInputs' fields, in buffer order
+TOKEN_IDS, POSITIONS, CONTEXT_LENS, STATE_SLOTS, PAGE_TABLES, LOGITS_ADDRESS = range(6)
 
 
 class DecodeInputs:
@@ -69,14 +70,15 @@ class DecodeInputs:
 
     All inputs live in one int64 device buffer filled by a single copy from a pinned host staging buffer:
     ``token_ids [T]``, ``positions [3, T]`` (MRoPE rows), ``context_lens [R]`` (tokens cached before this forward),
-    ``state_slots [R]`` and ``page_tables [R, W]`` (T = R*q).
+    ``state_slots [R]``, ``page_tables [R, W]`` (T = R*q) and ``logits_address [1]`` (where a step that stores its
+    logits through it writes them: a tensor allocated for that step).
     """
 
     def __init__(self, rows: int, width: int, device: torch.device, q: int = 1) -> None:
         self.rows, self.q, self.width = rows, q, width
         tokens = rows * q
-        self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows)
-        size = 4 * tokens + rows * (2 + width)
+        self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows, 4 * tokens + rows * (2 + width))
+        size = self._bounds[-1] + 1
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         cuda = device.type == "cuda"
         self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
@@ -86,23 +88,26 @@ class DecodeInputs:
         self._copied = torch.cuda.Event() if cuda else None  # the landing copy is done
         self._staged = torch.cuda.Event() if cuda else None  # the staging launch has read the landing buffer
         self._device_views = self._views(self.device_buffer)
-        self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables = self._device_views
+        (self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables,
+         self.logits_address) = self._device_views
         self._host_views = self._views(self.host_buffer.numpy())
         self._landing_views = self._views(self._landing) if cuda else None
 
     def _views(self, buffer: Any) -> tuple[Any, ...]:
-        """The five fields as views of ``buffer`` (the device tensor or the host numpy array)."""
-        a, b, c, d = self._bounds
+        """The six fields as views of ``buffer`` (the device tensor or the host numpy array)."""
+        a, b, c, d, e = self._bounds
         return (
             buffer[:a],
             buffer[a:b].reshape(3, a),
             buffer[b:c],
             buffer[c:d],
-            buffer[d:].reshape(self.rows, self.width),
+            buffer[d:e].reshape(self.rows, self.width),
+            buffer[e:],
         )
 
-    def load(self, batch: ForwardBatch) -> None:
-        """Stage one batch into the device buffer without a host sync.
+    def load(self, batch: ForwardBatch, logits: torch.Tensor | None = None) -> None:
+        """Stage one batch into the device buffer without a host sync; ``logits``: the tensor whose address the
+        step finds in ``logits_address``.
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
         one asynchronous transfer; fields already on the device are copied device to device after it. A
@@ -114,6 +119,7 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the pinned buffer
         self._host_views[CONTEXT_LENS][...] = batch.context_lens
+        self._host_views[LOGITS_ADDRESS][...] = 0 if logits is None else logits.data_ptr()
         width = batch.page_tables.shape[1]
         on_device = []
         fields = (
@@ -169,7 +175,7 @@ class CapturedStep:
     graphs: list[torch.cuda.CUDAGraph]
     inputs: DecodeInputs
     hidden: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None where the step stores them at ``inputs.logits_address``
 
     def replay(self) -> None:
         for graph in self.graphs:
@@ -267,22 +273,26 @@ class DecodeGraphRunner:
         width = max(MIN_PAGE_BUCKET, next_power_of_2(batch.page_tables.shape[1]))
         key = (rows, width, _identity(kv, state))
         captured = self._graphs.get(key) if self.use_graphs else None
+        # where the lm_head stores through the staged address, the step writes a tensor of its own
+        logits = torch.empty((rows, self.model.lm_head.shape[0]), dtype=torch.float32, device=self.model.device) \
+            if self._lm_head_folds(rows) else None
         if captured is not None:
-            captured.inputs.load(batch)
+            captured.inputs.load(batch, logits)
             captured.replay()
-            hidden, logits = captured.hidden, captured.logits
+            hidden, static_logits = captured.hidden, captured.logits
             hidden = hidden.clone() if batch.return_hidden else None
         else:
             inputs = self._eager_inputs.get((rows, width))
             if inputs is None:
                 inputs = self._eager_inputs[(rows, width)] = DecodeInputs(rows, width, self.model.device)
-            inputs.load(batch)
-            hidden, logits = self.step(inputs, kv, state)
+            inputs.load(batch, logits)
+            hidden, static_logits = self.step(inputs, kv, state)
             if self.use_graphs:
                 self._graphs[key] = self._capture(rows, width, kv, state)
-        return ForwardOutput(  # an fp32 copy, which the next replay cannot overwrite
-            logits=None if batch.logits == "none" else logits.to(torch.float32, copy=True),
-            hidden=hidden if batch.return_hidden else None,
+        if logits is None and batch.logits != "none":
+            logits = static_logits.to(torch.float32, copy=True)  # a copy, which the next replay cannot overwrite
+        return ForwardOutput(
+            logits=None if batch.logits == "none" else logits, hidden=hidden if batch.return_hidden else None
         )
 
     def captured(self, rows: int) -> list[CapturedStep]:
@@ -309,18 +319,20 @@ class DecodeGraphRunner:
                     carry = self._prologue(inputs, kv)
                 carry = self._layers(carry, inputs, kv, state, start, stop)
                 if index == len(bounds) - 1:
-                    hidden, logits = self._epilogue(carry)
+                    hidden, logits = self._epilogue(carry, inputs.logits_address)
             graphs.append(graph)
         return CapturedStep(graphs=graphs, inputs=inputs, hidden=hidden, logits=logits)
 
     def _segment_bounds(self) -> list[tuple[int, int]]:
         return segment_bounds(len(self.model.layers), self.graph_segments)
 
-    def step(self, inputs: DecodeInputs, kv: KVCache, state: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, inputs: DecodeInputs, kv: KVCache, state: StateCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and the logits
-        (``_epilogue``; ``forward`` returns an fp32 copy)."""
+        (``_epilogue``: None where they go to ``inputs.logits_address``; else ``forward`` returns an fp32 copy)."""
         carry = self._layers(self._prologue(inputs, kv), inputs, kv, state, 0, len(self.model.layers))
-        return self._epilogue(carry)
+        return self._epilogue(carry, inputs.logits_address)
 
     def _prologue(self, inputs: DecodeInputs, kv: KVCache) -> StepCarry:
         hidden, slot_mapping, total_lens = decode_prologue(
@@ -371,15 +383,23 @@ class DecodeGraphRunner:
                 pending = self.feed_forward(layer, fused, normed)
         return StepCarry(hidden=hidden, pending=pending, slot_mapping=carry.slot_mapping, total_lens=carry.total_lens)
 
-    def _epilogue(self, carry: StepCarry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lm_head_folds(self, tokens: int) -> bool:
+        """Whether the final norm of ``tokens`` rows goes inside the lm_head GEMV (``_epilogue``)."""
+        return tokens <= max(1, min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS))
+
+    def _epilogue(
+        self, carry: StepCarry, logits_address: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(final-normed hidden, logits with the activation dtype's values)``: at one row, and where the layers
         fold their norms, the final norm goes inside the lm_head GEMV, which stores the logits as fp32 (faster than
         the norm launch and cuBLAS at one row: 35B-A3B 222 against 242 µs, 27B 562 against 597 µs on the H200,
-        docs/performance.md round 17)."""
+        docs/performance.md round 17), into the tensor at ``logits_address`` where given (then the logits returned
+        are None: no copy after a replay, 1.8 µs and a launch gap between the 35B-A3B's)."""
         model, eps = self.model, self.config.rms_norm_eps
-        if carry.hidden.shape[0] <= max(1, min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS)):
+        if self._lm_head_folds(carry.hidden.shape[0]):
             _, logits, final = add_norm_gemv(
-                carry.hidden, carry.pending, model.norm, model.lm_head, eps, keep_normed=True, out_dtype=torch.float32
+                carry.hidden, carry.pending, model.norm, model.lm_head, eps, keep_normed=True, out_dtype=torch.float32,
+                out_address=logits_address,
             )
             return final, logits
         _, final = self._add_norm(carry.pending, carry.hidden, model.norm)
