@@ -75,6 +75,10 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "moe 3 programs per SM at 80 registers": (
         moe_tiles(programs_per_sm=3, max_registers=80, gate_up_rows=2, down_rows=4),
     ),
+    "moe 1 program per SM": (moe_tiles(programs_per_sm=1),),  # room for the next entry projection's programs
+    "moe 1 program per SM of 16 warps at 96 registers": (
+        moe_tiles(programs_per_sm=1, warps=16, max_registers=96, down_rows=16),
+    ),
     "split 16": (split_minimum(16),),
     "split 32": (split_minimum(32),),
     "segments 1": (SEGMENTS_1,),
