@@ -139,6 +139,8 @@ class Rows:
         self.page_tables = torch.arange(count * pages, dtype=torch.int32).view(count, pages)
         self.slots = torch.arange(count)
         self.lengths = [0] * count
+        # the engine's state_update_stops for rows that go on: every row feeds its token, one stop id (none matches)
+        self.stops = torch.tensor([[1, -1]] * count, dtype=torch.int64, device=runtime.model.device)
 
     def forward(self, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
         """Append one chunk per row (all rows), return the greedy next token of every row on the host."""
@@ -169,7 +171,7 @@ class Rows:
             page_tables=self.page_tables,
             state_slots=self.slots,
             logits="last",
-            state_update_mask=torch.ones(len(contexts), dtype=torch.bool, device=tokens.device),
+            state_update_stops=self.stops,
         )
         output = self.runtime.forward(batch, self.kv, self.state)
         self.lengths = [c + 1 for c in contexts]

@@ -135,8 +135,9 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-def test_a_state_update_mask_keeps_masked_rows_states_and_changes_no_output(preset):
-    """A masked row's slot goes to the recurrent kernels as ``-1 - s``: read, not written (graphs replay it)."""
+def test_state_update_stops_keep_stopped_rows_states_and_change_no_output(preset):
+    """The slot of a row fed one of its stop ids goes to the recurrent kernels as ``-1 - s``: read, not written
+    (graphs replay it)."""
     torch.manual_seed(0)
     reference, model, fused = _runtimes(preset)
     vocab = model.config.vocab_size
@@ -150,7 +151,8 @@ def test_a_state_update_mask_keeps_masked_rows_states_and_changes_no_output(pres
         tokens = [[int(t)] for t in torch.randint(0, vocab, (2,))]
         last = step == 2
         batch = masked.batch([0, 1], tokens)
-        batch.state_update_mask = torch.tensor([not last, True], device=DEVICE)
+        stop = tokens[0][0] if last else -1  # at the last step row 0 is fed its stop id
+        batch.state_update_stops = torch.tensor([[1, stop], [1, tokens[1][0] + 1]], device=DEVICE)
         before = [t.clone() for t in (*masked.state.conv, *masked.state.ssm)]
         got = runner.forward(batch, masked.kv, masked.state)
         expected = runner.forward(plain.batch([0, 1], tokens), plain.kv, plain.state)

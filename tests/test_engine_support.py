@@ -215,7 +215,7 @@ def idle(engine) -> bool:
 
 class RecordingRuntime:
     """Wraps a runtime and records the rows (query lengths) of every forward, and counts the forwards launched
-    ahead (those with a ``state_update_mask``)."""
+    ahead (those with ``state_update_stops``)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -225,5 +225,5 @@ class RecordingRuntime:
 
     def forward(self, batch, kv, state):
         self.calls.append(list(batch.query_lens))
-        self.ahead += batch.state_update_mask is not None
+        self.ahead += batch.state_update_stops is not None
         return self.inner.forward(batch, kv, state)

@@ -111,7 +111,7 @@ class Driver:
         self.page_tables = order.view(rows, pages_per_row).to(torch.int32)
         self.lengths = [0] * rows
 
-    def step(self, rows, chunks, logits="all", capture=False, hidden=False, mask=None):
+    def step(self, rows, chunks, logits="all", capture=False, hidden=False, stops=None):
         chunks = [torch.as_tensor(chunk, dtype=torch.int64).reshape(-1) for chunk in chunks]
         contexts = [self.lengths[row] for row in rows]
         positions = torch.cat([torch.arange(c, c + len(t)) for c, t in zip(contexts, chunks)])
@@ -125,7 +125,7 @@ class Driver:
             logits=logits,
             capture_states=capture,
             return_hidden=hidden,
-            state_update_mask=mask,
+            state_update_stops=stops,
         )
         out = self.runtime.forward(batch, self.kv, self.state)
         for row, chunk in zip(rows, chunks):
@@ -185,25 +185,29 @@ def test_rows_in_a_batch_get_the_logits_they_get_alone(pair):
         assert _relative_error(decode.logits[[2, 0, 3, 1].index(row)], next_logits) < 1e-4
 
 
-def test_a_state_update_mask_keeps_masked_rows_states_and_changes_no_output(pair):
+def test_state_update_stops_keep_stopped_rows_states_and_change_no_output(pair):
+    """Row 1 is fed one of its stop ids: its state stays as it was; the others' take their tokens."""
     _, runtime = pair
-    assert runtime.spec.state_update_mask
+    assert runtime.spec.state_update_stops
     masked, plain = Driver(runtime, rows=3, seed=3), Driver(runtime, rows=3, seed=3)
     for driver in (masked, plain):
         for row in range(3):
             driver.step([row], [_tokens(20 + row, seed=40 + row)], logits="none")
     before = [t.clone() for t in (*masked.state.conv, *masked.state.ssm)]
     nexts = [_tokens(1, seed=50 + row) for row in range(3)]
-    got = masked.step([0, 1, 2], nexts, logits="last", mask=torch.tensor([True, False, True]))
+    stops = torch.tensor([[1, -1], [1, int(nexts[1][0])], [1, int(nexts[1][0]) + 1]])
+    got = masked.step([0, 1, 2], nexts, logits="last", stops=stops)
     assert torch.equal(got.logits, plain.step([0, 1, 2], nexts, logits="last").logits)
     states = zip((*masked.state.conv, *masked.state.ssm), (*plain.state.conv, *plain.state.ssm), before)
     for ours, theirs, old in states:
         assert torch.equal(ours[[0, 2]], theirs[[0, 2]]) and not torch.equal(ours[0], old[0])
         assert torch.equal(ours[1], old[1])  # the masked row's slot is as it was
-    with pytest.raises(ForwardBatchError, match="state_update_mask"):
-        masked.step([0], [_tokens(2, seed=60)], mask=torch.tensor([True]))
-    with pytest.raises(ForwardBatchError, match="state_update_mask"):
-        masked.step([0, 1], nexts[:2], mask=torch.tensor([1, 0]))
+    with pytest.raises(ForwardBatchError, match="state_update_stops"):  # two tokens in a row
+        masked.step([0], [_tokens(2, seed=60)], stops=torch.tensor([[1, -1]]))
+    with pytest.raises(ForwardBatchError, match="state_update_stops"):
+        masked.step([0, 1], nexts[:2], stops=torch.tensor([[1], [0]], dtype=torch.int32))
+    with pytest.raises(ForwardBatchError, match="state_update_stops"):
+        masked.step([0, 1], nexts[:2], stops=torch.tensor([1, 0]))
 
 
 def test_greedy_generation_matches_transformers_generate(pair):

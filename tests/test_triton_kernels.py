@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
+from ninfer.core.runtime import state_update_mask
 from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
 from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
@@ -32,7 +33,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
-from ninfer.kernels.triton.staging import decode_prologue, stage_inputs, stop_update_mask  # noqa: E402
+from ninfer.kernels.triton.staging import decode_prologue, stage_inputs  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -248,31 +249,50 @@ def test_moe_decode_pieces_match_moe_forward():
     assert rel_err(out, ref) < TOL
 
 
+# the rows' stop tables (ForwardBatch.state_update_stops) and the tokens they are fed: a stop id, none of them,
+# not fed, the last stop id, no stop ids
+STOPS = [[1, 5, -1, -1], [1, 4, 8, -1], [0, -1, -1, -1], [1, 1, 7, 11], [1, -1, -1, -1]]
+FED = [5, 9, 2, 7, 3]
+
+
 @pytest.mark.parametrize("size", [37, 2500])  # one program, several
-@pytest.mark.parametrize("with_ids, with_mask", [(True, True), (True, False), (False, True), (False, False)])
-def test_stage_inputs_copies_the_buffer_with_the_ids_and_masked_slots_like_the_torch_ops(size, with_ids, with_mask):
+@pytest.mark.parametrize("with_ids, stop_columns", [(True, 4), (True, 1), (True, 0), (False, 4), (False, 0)])
+def test_stage_inputs_copies_the_buffer_with_the_ids_and_the_stopped_rows_slots_like_the_torch_ops(
+    size, with_ids, stop_columns
+):
+    """``stops[:, :1]``: whether each row feeds its token, no stop ids; 0 columns: no stop table at all."""
     generator = torch.Generator().manual_seed(3)
     rows, slots_at = 5, 20
-    source = torch.randint(0, 1 << 40, (size,), generator=generator).to(DEVICE)
-    ids = torch.randint(0, 1000, (rows,), generator=generator).to(DEVICE) if with_ids else None
-    mask = torch.tensor([True, False, True, False, False], device=DEVICE) if with_mask else None
+    source = torch.randint(0, 1 << 40, (size,), generator=generator)
+    ids = torch.tensor(FED, device=DEVICE) if with_ids else None
+    if not with_ids:
+        source[:rows] = torch.tensor(FED)  # the host-staged tokens are the ones fed
+    source = source.to(DEVICE)
+    stops = torch.tensor(STOPS, device=DEVICE)[:, :stop_columns].contiguous() if stop_columns else None
     target = torch.full((size,), -7, dtype=torch.int64, device=DEVICE)
     expected = source.clone()
     if with_ids:
         expected[:rows] = ids
-    if with_mask:
+    if stops is not None:
+        keep = state_update_mask(expected[:rows], stops)
+        kept = [False, True, False, False, True] if stop_columns > 1 else [True, True, False, True, True]
+        assert keep.tolist() == kept
         slots = expected[slots_at : slots_at + rows]
-        slots.copy_(torch.where(mask, slots, -1 - slots))
-    stage_inputs(source, target, ids, mask, slots_at)
+        slots.copy_(torch.where(keep, slots, -1 - slots))
+    stage_inputs(source, target, ids, stops, slots_at)
     assert torch.equal(target, expected)
 
 
-def test_stage_inputs_refuses_a_mask_that_is_not_bool_or_outside_the_buffer():
-    source = torch.zeros(30, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="bool"):
-        stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.int64, device=DEVICE), 0)
+def test_stage_inputs_refuses_stops_that_are_not_int64_tables_of_slots_inside_the_buffer():
+    source, stops = torch.zeros(30, dtype=torch.int64, device=DEVICE), torch.tensor(STOPS, device=DEVICE)
+    with pytest.raises(ValueError, match="int64"):
+        stage_inputs(source, source.clone(), None, stops.int(), 0)
+    with pytest.raises(ValueError, match="int64"):
+        stage_inputs(source, source.clone(), None, stops.flatten(), 0)
     with pytest.raises(ValueError, match="within the buffer"):
-        stage_inputs(source, source.clone(), None, torch.ones(5, dtype=torch.bool, device=DEVICE), 27)
+        stage_inputs(source, source.clone(), None, stops, 27)
+    with pytest.raises(ValueError, match="ids for every row"):
+        stage_inputs(source, source.clone(), source[:3], stops, 10)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -300,17 +320,3 @@ def test_decode_prologue_refuses_mismatched_rows_and_devices():
         with pytest.raises(ValueError, match="device"):
             decode_prologue(ids.cpu(), context, torch.zeros((3, 4), dtype=torch.int64, device=DEVICE), embed, 16)
 
-
-def test_stop_update_mask_matches_the_torch_rule():
-    from ninfer.core.engine.batching import state_update_mask
-
-    ids = torch.tensor([5, 9, 2, 7, 3], device=DEVICE)
-    table = torch.tensor(
-        [[1, 5, -1, -1], [1, 4, 8, -1], [0, -1, -1, -1], [1, 1, 7, 11], [1, -1, -1, -1]], device=DEVICE
-    )
-    expected = [False, True, False, False, True]  # a stop id, none of them, not fed, the last stop id, no stop ids
-    assert stop_update_mask(ids, table).tolist() == expected
-    assert state_update_mask(ids.cpu(), table.cpu()).tolist() == expected
-    assert stop_update_mask(ids[:1], table[:1, :1]).tolist() == [True]  # no stop-id columns at all
-    with pytest.raises(ValueError, match="table"):
-        stop_update_mask(ids, table[:3])

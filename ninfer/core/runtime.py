@@ -58,7 +58,7 @@ class RuntimeSpec:
     dtype: torch.dtype
     device: torch.device
     max_position_embeddings: int
-    state_update_mask: bool = False  # forward() honours ForwardBatch.state_update_mask (one-token decode batches)
+    state_update_stops: bool = False  # forward() honours ForwardBatch.state_update_stops (one-token decode batches)
 
     def kv_bytes_per_token(self, bytes_per_element: float | None = None) -> float:
         per_element = self.dtype.itemsize if bytes_per_element is None else bytes_per_element
@@ -148,14 +148,24 @@ class ForwardBatch:
     capture_states: bool = False  # also return the recurrent state after every new token (verify)
     return_hidden: bool = False  # also return final-normed hidden states (MTP drafting)
     capture_layers: tuple[int, ...] = ()  # also return these decoder layers' outputs per token (DFlash drafting)
-    # [R] bool, on any device: the rows whose recurrent state this one-token-per-row forward updates (None: every
-    # row); a masked row's outputs are computed and its KV written past its frontier, its state slot is untouched.
-    # Only runtimes whose spec says ``state_update_mask`` take it.
-    state_update_mask: torch.Tensor | None = None
+    # [R, 1 + W] int64 on the token ids' device, for one-token-per-row batches: row r's recurrent state takes the
+    # token it is fed only if column 0 is non-zero and ``token_ids[r]`` is none of its stop ids (columns 1.., padded
+    # with -1; ``state_update_mask``); otherwise its outputs are computed and its KV written past its frontier, its
+    # state slot is untouched (the engine's overlapped decode feeds a row the token it is about to commit before
+    # the host knows whether the row ends there). None: every row's state takes its token. Only runtimes whose spec
+    # says ``state_update_stops`` take it.
+    state_update_stops: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.query_lens)
+
+
+def state_update_mask(token_ids: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R]``: which rows' recurrent state takes its token ``token_ids [R]`` under ``stops [R, 1 + W]``
+    (``ForwardBatch.state_update_stops``), on their device. The CUDA decode runner applies the same rule inside its
+    staging launch (``ninfer.kernels.triton.staging.stage_inputs``)."""
+    return stops[:, 0].bool() & ~(token_ids[:, None] == stops[:, 1:]).any(1)
 
 
 @attrs.define

@@ -7,14 +7,12 @@ asynchronous transfer; its eager path moves them once).
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
 
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.runtime import ForwardBatch
-from ninfer.kernels.triton import triton_available
 
 _HOST = torch.device("cpu")
 
@@ -51,31 +49,10 @@ def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags:
     )
 
 
-def state_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Bool ``[R]``, on the ids' device: whether row ``r``'s recurrent state takes the token ``ids[r]`` it is fed
-    ahead, i.e. the row feeds it (``table[r, 0] != 0``) and it is none of the row's stop ids (``table[r, 1:]``,
-    padded with -1). On CUDA one Triton launch instead of five."""
-    return _update_mask_rule(ids.device.type)(ids, table)
-
-
-def _torch_update_mask(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return table[:, 0].bool() & ~(ids[:, None] == table[:, 1:]).any(1)
-
-
-@functools.cache
-def _update_mask_rule(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The Triton mask for CUDA ids when triton is available, otherwise the torch rule (resolved once)."""
-    if device_type == "cuda" and triton_available(device_type):
-        from ninfer.kernels.triton.staging import stop_update_mask  # here: CPU-only installs lack triton
-
-        return stop_update_mask
-    return _torch_update_mask
-
-
-def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, update: torch.Tensor) -> ForwardBatch:
+def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, stops: torch.Tensor) -> ForwardBatch:
     """One token per row, ``token_ids [R]`` (on any device: the runtime copies device fields on the device), at
-    position ``len(seq.tokens)``: each row fed the token it is about to commit; ``update [R]`` bool: the rows whose
-    recurrent state takes it (``ForwardBatch.state_update_mask``)."""
+    position ``len(seq.tokens)``: each row fed the token it is about to commit; ``stops [R, 1 + W]`` on the ids'
+    device: whether each row's recurrent state takes it (``ForwardBatch.state_update_stops``)."""
     lengths = [len(seq.tokens) for seq in rows]
     return ForwardBatch(
         token_ids=token_ids,
@@ -85,5 +62,5 @@ def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, update: torc
         page_tables=page_table(rows),
         state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64),
         logits="last",
-        state_update_mask=update,
+        state_update_stops=stops,
     )

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ninfer.core.engine.batching import build_ahead_batch, build_batch, state_update_mask
+from ninfer.core.engine.batching import build_ahead_batch, build_batch
 from ninfer.core.engine.commit import Finish, commit_timed
 from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
@@ -390,7 +390,7 @@ class Executor:
         if overlap is None:
             overlap = self.runtime.spec.device.type == "cuda"
         return (
-            overlap and self.runtime.spec.state_update_mask
+            overlap and self.runtime.spec.state_update_stops
             and not (scheduler.waiting or scheduler.prefilling or not self._inbox.empty())
             and not any(seq.request.sampling.stop for seq in rows)
         )
@@ -437,19 +437,19 @@ class Executor:
         host_ids = HostCopy(ids)  # queued before the forward below, so it does not wait for it
         feeds = [not _ends_at_limit(seq) for seq in rows]
         width = max(len(seq.stop_token_ids) for seq in rows) or 1
-        # one host table, one copy: column 0 whether the row feeds its token, then its stop ids (padded with -1)
-        table = to_device(
+        # one host table, one copy (ForwardBatch.state_update_stops): column 0 whether the row feeds its token,
+        # then its stop ids (padded with -1)
+        stops = to_device(
             torch.tensor(
                 [[int(feed), *sorted(seq.stop_token_ids), *[-1] * (width - len(seq.stop_token_ids))]
                  for feed, seq in zip(feeds, rows)],
-                dtype=ids.dtype,
+                dtype=torch.int64,
             ),
             ids.device,
         )
-        update = state_update_mask(ids, table)
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens) + 1)
-        batch = build_ahead_batch(rows, ids, update)
+        batch = build_ahead_batch(rows, ids, stops)
         clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
         for index, seq in enumerate(rows):

@@ -66,7 +66,7 @@ def causal_conv1d_update(
     """One token per row: ``x [B, C]`` (contiguous rows), ``weight [C, K]``, ``conv_cache [S, C, K-1]``, ``slots [B]``.
 
     Returns ``silu(conv) [B, C]`` in x.dtype and shifts the rows' windows in place; a negative slot ``-1 - s`` reads
-    slot ``s`` and leaves its window as it is (``ForwardBatch.state_update_mask``). ``pdl``: programmatic dependent
+    slot ``s`` and leaves its window as it is (``ForwardBatch.state_update_stops``). ``pdl``: programmatic dependent
     launch (None: wherever the device has it); then the kernel immediately before this one in the stream must not
     write ``weight``, ``conv_cache`` or ``slots``.
     """

@@ -123,7 +123,7 @@ def fused_recurrent_gated_delta(
 
     ``qkv [N, 2*Hk*Dk + Hv*Dv]`` is the conv output (q | k | v, N = rows * tokens_per_row, a row's tokens
     consecutive); ``a, b [N, Hv]`` the raw gate projections; ``ssm_cache [S, Hv, Dk, Dv]`` fp32; ``slots [rows]`` (a
-    negative slot ``-1 - s`` reads slot ``s`` and leaves it as it is: ``ForwardBatch.state_update_mask``).
+    negative slot ``-1 - s`` reads slot ``s`` and leaves it as it is: ``ForwardBatch.state_update_stops``).
     With ``z [N, Hv*Dv]`` and ``norm_weight [Dv]`` the output is ``rms_norm(o) * w * silu(z)``, else ``o``.
     ``value_split`` programs share each head's value columns (it must divide Dv into powers of two).
     Returns ``(out [N, Hv, Dv] in qkv.dtype, states [N, Hv, Dk, Dv] fp32 or None)``. ``states_out`` (a contiguous

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.core.engine.transfer import copy_stream
-from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache
+from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache, state_update_mask
 from ninfer.kernels.triton import next_power_of_2, triton_available
 from ninfer.kernels.triton.act_gemv import act_gemv
 from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv
@@ -110,11 +110,12 @@ class DecodeInputs:
         step finds in ``logits_address``.
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
-        one asynchronous transfer; fields already on the device are copied device to device after it. A
-        ``state_update_mask`` turns each masked row's slot ``s`` into ``-1 - s``, which the recurrent kernels read
-        from and do not write. On CUDA the transfer runs on the inbound copy stream into a landing buffer (while
-        the previous step still reads the device buffer), and one launch (``stage_inputs``) moves it into the device
-        buffer with the device-resident token ids (a sampler's, fed back) and the slot masking.
+        one asynchronous transfer; fields already on the device are copied device to device after it. With
+        ``state_update_stops`` the slot ``s`` of each row whose state must not take its token becomes ``-1 - s``,
+        which the recurrent kernels read from and do not write. On CUDA the transfer runs on the inbound copy
+        stream into a landing buffer (while the previous step still reads the device buffer), and one launch
+        (``stage_inputs``) moves it into the device buffer with the device-resident token ids (a sampler's, fed
+        back) and the slot masking.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous transfer has read the pinned buffer
@@ -131,11 +132,11 @@ class DecodeInputs:
                 _field(self._host_views, field, width)[...] = source.numpy()
             else:
                 on_device.append((field, source))
-        mask = batch.state_update_mask  # a masked row's slot s goes to the kernels as -1 - s: read, not written
-        if mask is not None:
-            mask = mask.to(self.device_buffer.device)
+        stops = batch.state_update_stops  # a masked row's slot s goes to the kernels as -1 - s: read, not written
+        if stops is not None:
+            stops = stops.to(self.device_buffer.device)
         if self._landing is None:
-            self._load_plain(on_device, mask, width)
+            self._load_plain(on_device, stops, width)
             return
         stream = copy_stream(self.device_buffer.device, to_host=False)
         stream.wait_event(self._staged)
@@ -150,16 +151,17 @@ class DecodeInputs:
             else:
                 _field(self._landing_views, field, width).copy_(source)
         slots_at = self._bounds[STATE_SLOTS - 1]  # where the field before the slots ends
-        stage_inputs(self._landing, self.device_buffer, ids, mask, slots_at=slots_at)
+        stage_inputs(self._landing, self.device_buffer, ids, stops, slots_at=slots_at)
         self._staged.record()
 
-    def _load_plain(self, on_device: list[tuple[int, torch.Tensor]], mask: torch.Tensor | None, width: int) -> None:
+    def _load_plain(self, on_device: list[tuple[int, torch.Tensor]], stops: torch.Tensor | None, width: int) -> None:
         """``load`` off CUDA: one copy into the device buffer, then the device fields and the masking as torch ops."""
         self.device_buffer.copy_(self.host_buffer)
         for field, source in on_device:
             _field(self._device_views, field, width).copy_(source)
-        if mask is not None:
-            self.state_slots.copy_(torch.where(mask, self.state_slots, -1 - self.state_slots))
+        if stops is not None:
+            keep = state_update_mask(self.token_ids, stops)
+            self.state_slots.copy_(torch.where(keep, self.state_slots, -1 - self.state_slots))
 
 
 def _field(views: tuple[Any, ...], field: int, width: int) -> Any:

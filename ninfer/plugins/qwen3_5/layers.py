@@ -42,7 +42,7 @@ class RowGroup:
 
     ``span``: ``(start, stop)`` when the group's tokens are one run of the flat batch in row order (consecutive
     rows), so they are read and written as a slice instead of gathered by index. ``updates [B]`` bool: the rows
-    whose state slot takes the new state (None: all; ``ForwardBatch.state_update_mask``).
+    whose state slot takes the new state (None: all; ``ForwardBatch.state_update_stops``).
     """
 
     token_index: torch.Tensor

@@ -18,6 +18,7 @@ from ninfer.core.runtime import (
     RecurrentLayerSpec,
     RuntimeSpec,
     StateCache,
+    state_update_mask,
 )
 from ninfer.plugins.qwen3_5.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.layers import BatchLayout
@@ -52,7 +53,7 @@ def runtime_spec(config: Qwen35TextConfig, dtype: torch.dtype, device: torch.dev
         dtype=dtype,
         device=device,
         max_position_embeddings=config.max_position_embeddings,
-        state_update_mask=True,
+        state_update_stops=True,
     )
 
 
@@ -92,9 +93,10 @@ class Qwen35Runtime:
             return self.verifier.forward(batch, kv, state)
         device = self.model.device
         token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)  # host batches move once
+        stops = batch.state_update_stops
         layout = BatchLayout.build(
             batch.query_lens, batch.context_lens, batch.page_tables, kv.page_size, batch.state_slots, device,
-            batch.state_update_mask,
+            None if stops is None else state_update_mask(token_ids, stops.to(device)),
         )
         layer_outputs = dict.fromkeys(batch.capture_layers, None) if batch.capture_layers else None
         with torch.no_grad():
@@ -123,10 +125,16 @@ class Qwen35Runtime:
         rows = batch.num_rows
         if tuple(batch.state_slots.shape) != (rows,):
             raise ForwardBatchError(f"state_slots must be [{rows}]; got {tuple(batch.state_slots.shape)}")
-        mask = batch.state_update_mask
-        if mask is not None:
-            if mask.dtype != torch.bool or tuple(mask.shape) != (rows,) or any(n != 1 for n in batch.query_lens):
-                raise ForwardBatchError(f"state_update_mask must be a bool [{rows}] of a one-token-per-row batch")
+        stops = batch.state_update_stops
+        if stops is not None:
+            if (
+                stops.dtype != torch.int64 or stops.dim() != 2 or stops.shape[0] != rows or stops.shape[1] < 1
+                or stops.device != batch.token_ids.device or any(n != 1 for n in batch.query_lens)
+            ):
+                raise ForwardBatchError(
+                    f"state_update_stops must be an int64 [{rows}, 1 + W] on the token ids' device, of a "
+                    "one-token-per-row batch"
+                )
             # the ids of a masked batch are a sampler's, fed back on the device: checking them would read them back
             slots, low, high = batch.state_slots.tolist(), 0, 0
         else:
