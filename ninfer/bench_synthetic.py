@@ -161,7 +161,8 @@ class Rows:
 
     def forward_ahead(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed every row its token of ``tokens [R]``, still on the device (the last step's greedy ids, not yet on
-        the host), as the engine's overlapped decode does; returns this step's greedy ids on the device."""
+        the host), as the engine's overlapped decode does; returns this step's greedy ids on the device (the argmax
+        the forward takes with the logits where it does, as the engine asks it to for greedy rows)."""
         contexts = list(self.lengths)
         batch = ForwardBatch(
             token_ids=tokens,
@@ -172,10 +173,11 @@ class Rows:
             state_slots=self.slots,
             logits="last",
             state_update_stops=self.stops,
+            greedy_below=self.runtime.spec.vocab_size,
         )
         output = self.runtime.forward(batch, self.kv, self.state)
         self.lengths = [c + 1 for c in contexts]
-        return greedy_token_ids(output.logits)
+        return output.greedy_ids if output.greedy_ids is not None else greedy_token_ids(output.logits)
 
 
 def bench_ninfer_decode(

@@ -111,14 +111,25 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
         active = rows[: 3 if step < 3 else 2 if step < 5 else 1]  # the batch shrinks: 3, 2, then 1 row
         tokens = [[int(t)] for t in torch.randint(0, vocab, (len(active),))]
         expected = reference.forward(caches.batch(active, tokens), caches.kv, caches.state)
-        got = eager.forward(ours.batch(active, tokens), ours.kv, ours.state)
+        batch = ours.batch(active, tokens)
+        batch.greedy_below = vocab - 3
+        got = eager.forward(batch, ours.kv, ours.state)
         assert rel_err(got.logits, expected.logits) < TOL, step
         assert rel_err(got.hidden, expected.hidden) < TOL, step
         returned.append((got.logits, got.logits.clone()))
+        outputs = [got]
         if graphs is not None:
-            replayed = graphs.forward(graph_caches.batch(active, tokens), graph_caches.kv, graph_caches.state)
+            batch = graph_caches.batch(active, tokens)
+            batch.greedy_below = vocab - 3
+            replayed = graphs.forward(batch, graph_caches.kv, graph_caches.state)
             assert rel_err(replayed.logits, got.logits) < 1e-6, step
             returned.append((replayed.logits, replayed.logits.clone()))
+            outputs.append(replayed)
+        for output in outputs:  # the lm_head takes the argmax with the logits where it folds the norm: one row
+            if len(active) == 1:
+                assert output.greedy_ids.tolist() == output.logits[:, : vocab - 3].argmax(dim=1).tolist(), step
+            else:
+                assert output.greedy_ids is None, step
     assert all(torch.equal(logits, copy) for logits, copy in returned)
     for got_ssm, expected_ssm in zip(ours.state.ssm, caches.state.ssm):
         assert rel_err(got_ssm, expected_ssm) < TOL

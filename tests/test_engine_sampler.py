@@ -14,7 +14,9 @@ from ninfer.core.engine.sampler import (
     RowSampler,
     candidate_distribution,
     penalized_logits,
+    plain_greedy,
     resolve_sampling,
+    sample_token_ids,
     sample_tokens,
 )
 from ninfer.core.errors import InvalidRequestError
@@ -41,6 +43,22 @@ def test_temperature_zero_is_argmax_per_row():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3))
     rows = [row(temperature=0.0) for _ in range(6)]
     assert sample_tokens(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_forward_s_argmax_stands_for_rows_that_all_take_a_plain_argmax():
+    """``greedy_ids`` (a forward's argmax of the logits, ``ForwardOutput.greedy_ids``) are what plain greedy rows
+    sample; with a sampled or a penalized row the sampler takes its own pick."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    forward_ids = logits.argmax(dim=-1)
+    greedy = [row(temperature=0.0) for _ in range(3)]
+    assert plain_greedy(greedy)
+    assert sample_token_ids(logits, greedy, None, forward_ids) is forward_ids
+    assert sample_token_ids(logits, greedy).tolist() == forward_ids.tolist()
+    for other in (row(seed=4, temperature=1.0), row(temperature=0.0, presence_penalty=1.0)):
+        other.observe(int(forward_ids[2]))
+        mixed = [*greedy[:2], other]
+        assert not plain_greedy(mixed)
+        assert sample_token_ids(logits, mixed, None, forward_ids) is not forward_ids
 
 
 def test_top_k_one_equals_greedy():

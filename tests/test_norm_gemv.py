@@ -32,12 +32,14 @@ from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
     route_experts_add_norm,
 )
 from ninfer.kernels.triton.norm_gemv import (  # noqa: E402
+    ArgmaxEpilogue,
     ConvEpilogue,
     GemvTiles,
     add_norm_gemv,
     default_gated_tiles,
     default_tiles,
     gated_norm_gemv,
+    greedy_ids_from_keys,
 )
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -94,6 +96,39 @@ def test_add_norm_gemv_stores_fp32_projections_with_the_activation_values(tokens
     _, projected, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS)
     _, widened, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32)
     assert widened.dtype == torch.float32 and torch.equal(widened, projected.float())
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_add_norm_gemv_argmax_epilogue_finds_each_token_s_first_largest_column_below_the_limit(tokens):
+    """The merged keys name ``torch.argmax`` of the projection's first ``limit`` columns (equal maxima: the first;
+    rows 5 and 9 of the weight are the same row); ``greedy_ids_from_keys`` stores them and resets the keys; a limit
+    of 0 leaves the keys as they are and an address of 0 stores nothing."""
+    width, out_rows = ADD_NORM_SHAPES[-1]
+    hidden, pending = randn(tokens, width), randn(tokens, width)
+    norm_weight, weight = randn(width, scale=0.3), randn(out_rows, width, scale=0.05)
+    weight[9] = weight[5]
+    hidden[0] = weight[5] * 40  # token 0's largest column is row 5 (and 9)
+    _, expected, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32)
+    keys = torch.full((tokens,), -(2**63), dtype=torch.int64, device=DEVICE)
+    ids = torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE)
+    address = torch.tensor([ids.data_ptr()], device=DEVICE)
+    for limit in (out_rows, out_rows - 3, 7):
+        argmax = ArgmaxEpilogue(keys, torch.tensor([limit], device=DEVICE))
+        _, logits, _ = add_norm_gemv(hidden, pending, norm_weight, weight, EPS, out_dtype=torch.float32, argmax=argmax)
+        assert torch.equal(logits, expected)
+        greedy_ids_from_keys(keys, address)
+        assert ids.tolist() == expected[:, :limit].argmax(dim=1).tolist(), limit
+        assert (keys == -(2**63)).all()
+    assert ids[0] == 5
+    nothing = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    add_norm_gemv(hidden, pending, norm_weight, weight, EPS, argmax=ArgmaxEpilogue(keys, nothing))
+    assert (keys == -(2**63)).all()
+    ids.fill_(-1)
+    add_norm_gemv(hidden, pending, norm_weight, weight, EPS, argmax=ArgmaxEpilogue(keys, nothing + 7))
+    greedy_ids_from_keys(keys, nothing)
+    assert (ids == -1).all() and (keys == -(2**63)).all()
+    with pytest.raises(ValueError, match="argmax"):
+        add_norm_gemv(hidden, pending, norm_weight, weight, EPS, argmax=ArgmaxEpilogue(keys[:1].int(), keys[:1]))
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -111,7 +111,7 @@ class Driver:
         self.page_tables = order.view(rows, pages_per_row).to(torch.int32)
         self.lengths = [0] * rows
 
-    def step(self, rows, chunks, logits="all", capture=False, hidden=False, stops=None):
+    def step(self, rows, chunks, logits="all", capture=False, hidden=False, stops=None, greedy_below=None):
         chunks = [torch.as_tensor(chunk, dtype=torch.int64).reshape(-1) for chunk in chunks]
         contexts = [self.lengths[row] for row in rows]
         positions = torch.cat([torch.arange(c, c + len(t)) for c, t in zip(contexts, chunks)])
@@ -126,6 +126,7 @@ class Driver:
             capture_states=capture,
             return_hidden=hidden,
             state_update_stops=stops,
+            greedy_below=greedy_below,
         )
         out = self.runtime.forward(batch, self.kv, self.state)
         for row, chunk in zip(rows, chunks):
@@ -208,6 +209,13 @@ def test_state_update_stops_keep_stopped_rows_states_and_change_no_output(pair):
         masked.step([0, 1], nexts[:2], stops=torch.tensor([[1], [0]], dtype=torch.int32))
     with pytest.raises(ForwardBatchError, match="state_update_stops"):
         masked.step([0, 1], nexts[:2], stops=torch.tensor([1, 0]))
+
+
+@pytest.mark.parametrize("greedy_below, logits", [(0, "last"), (10**9, "last"), (5, "all")])
+def test_greedy_below_outside_the_vocabulary_or_without_last_logits_is_refused(pair, greedy_below, logits):
+    _, runtime = pair
+    with pytest.raises(ForwardBatchError, match="greedy_below"):
+        Driver(runtime, rows=1, seed=3).step([0], [_tokens(3, seed=61)], logits=logits, greedy_below=greedy_below)
 
 
 def test_greedy_generation_matches_transformers_generate(pair):

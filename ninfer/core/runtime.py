@@ -155,6 +155,9 @@ class ForwardBatch:
     # the host knows whether the row ends there). None: every row's state takes its token. Only runtimes whose spec
     # says ``state_update_stops`` take it.
     state_update_stops: torch.Tensor | None = None
+    # with logits "last": also the argmax of each row's logits below this many columns (ForwardOutput.greedy_ids)
+    # where the runtime takes it with the logits; the caller takes it itself where the output has none
+    greedy_below: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -188,6 +191,7 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None
     states: CapturedStates | None = None
     layer_hidden: torch.Tensor | None = None
+    greedy_ids: torch.Tensor | None = None  # int64 [R] on the logits' device: ForwardBatch.greedy_below's argmax
 
 
 @attrs.frozen

@@ -49,10 +49,13 @@ def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags:
     )
 
 
-def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, stops: torch.Tensor) -> ForwardBatch:
+def build_ahead_batch(
+    rows: Seq[Sequence], token_ids: torch.Tensor, stops: torch.Tensor, greedy_below: int | None = None
+) -> ForwardBatch:
     """One token per row, ``token_ids [R]`` (on any device: the runtime copies device fields on the device), at
     position ``len(seq.tokens)``: each row fed the token it is about to commit; ``stops [R, 1 + W]`` on the ids'
-    device: whether each row's recurrent state takes it (``ForwardBatch.state_update_stops``)."""
+    device: whether each row's recurrent state takes it (``ForwardBatch.state_update_stops``); ``greedy_below``:
+    ``ForwardBatch.greedy_below``."""
     lengths = [len(seq.tokens) for seq in rows]
     return ForwardBatch(
         token_ids=token_ids,
@@ -63,4 +66,5 @@ def build_ahead_batch(rows: Seq[Sequence], token_ids: torch.Tensor, stops: torch
         state_slots=torch.tensor([seq.slot for seq in rows], dtype=torch.int64),
         logits="last",
         state_update_stops=stops,
+        greedy_below=greedy_below,
     )

@@ -28,7 +28,7 @@ from ninfer.core.engine.config import EngineConfig
 from ninfer.core.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
 from ninfer.core.engine.memory import EngineMemory
 from ninfer.core.engine.request import AdmittedEvent, ProgressEvent
-from ninfer.core.engine.sampler import sample_token_ids, sample_tokens
+from ninfer.core.engine.sampler import plain_greedy, sample_token_ids, sample_tokens
 from ninfer.core.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.core.engine.sequence import Sequence
 from ninfer.core.engine.speculative import Drafter, SpeculativeRound, capture_layers, observed_features
@@ -52,6 +52,7 @@ class AheadRound:
 
     rows: tuple[Sequence, ...]
     logits: torch.Tensor
+    greedy_ids: torch.Tensor | None  # the forward's argmax of ``logits`` (``ForwardBatch.greedy_below``)
 
     def logits_of(self, rows: list[Sequence]) -> dict[Sequence, torch.Tensor]:
         """The rows of ``rows`` whose logits here still hold."""
@@ -364,14 +365,14 @@ class Executor:
                 self._finish(seq, finish)
             return
         overlap = self._may_overlap(rows)
-        logits = self._round_logits(rows, wait=not overlap)
+        logits, greedy_ids = self._round_logits(rows, wait=not overlap)
         if not overlap:
             tokens = sample_tokens(logits, [seq.sampler for seq in rows], self._vocab_limit)
             now = time.monotonic()
             for seq, token in zip(rows, tokens):
                 self._commit(seq, token, now, WorkClass.DECODE)
             return
-        tokens, fed_ahead = self._sample_and_run_ahead(rows, logits)
+        tokens, fed_ahead = self._sample_and_run_ahead(rows, logits, greedy_ids)
         now = time.monotonic()
         for index, (seq, token) in enumerate(zip(rows, tokens)):
             finish = commit_timed(self.clock, seq, token, now, WorkClass.DECODE)
@@ -395,10 +396,11 @@ class Executor:
             and not any(seq.request.sampling.stop for seq in rows)
         )
 
-    def _round_logits(self, rows: list[Sequence], wait: bool) -> Any:
+    def _round_logits(self, rows: list[Sequence], wait: bool) -> tuple[Any, torch.Tensor | None]:
         """The rows' next-token logits ``[R, V]``: the forward launched ahead last round where it still holds (the
         row has fed every token it holds), one forward over the tokens each other row has not fed yet; ``wait``:
-        block on the device after that forward (else the caller waits only for what it needs)."""
+        block on the device after that forward (else the caller waits only for what it needs). With them the
+        argmax the forward ahead took, where its rows are these."""
         clock = self.clock
         ahead, self._ahead = self._ahead, None
         ready = {} if ahead is None else ahead.logits_of(rows)
@@ -418,12 +420,14 @@ class Executor:
             seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
             ready[seq] = output.logits[index]
         if output is not None and len(behind) == len(rows):
-            return output.logits
+            return output.logits, None
         if ahead is not None and not behind and ahead.rows == tuple(rows):
-            return ahead.logits
-        return torch.stack([ready[seq] for seq in rows])
+            return ahead.logits, ahead.greedy_ids
+        return torch.stack([ready[seq] for seq in rows]), None
 
-    def _sample_and_run_ahead(self, rows: list[Sequence], logits: Any) -> tuple[list[int], list[bool]]:
+    def _sample_and_run_ahead(
+        self, rows: list[Sequence], logits: Any, greedy_ids: torch.Tensor | None
+    ) -> tuple[list[int], list[bool]]:
         """Sample on the device, launch the next round's forward on those ids (each row fed the token it is about
         to commit), then wait only for the ids' copy to the host: the device runs that forward meanwhile.
 
@@ -431,9 +435,11 @@ class Executor:
         checkpoint ends before its last token as without overlap: not where the host knows it ends (the output
         limit), not where the device sees one of the row's stop ids. Returns the tokens and, per row, whether the
         forward could feed its token (then ``seq.fed`` counts it and ``last_logits`` are the forward's; a row that
-        takes engine-inserted tokens after it feeds those next round)."""
+        takes engine-inserted tokens after it feeds those next round). Where every row samples a plain argmax, the
+        forward takes the next round's with its logits (``ForwardBatch.greedy_below``)."""
         clock = self.clock
-        ids = sample_token_ids(logits, [seq.sampler for seq in rows], self._vocab_limit)
+        samplers = [seq.sampler for seq in rows]
+        ids = sample_token_ids(logits, samplers, self._vocab_limit, greedy_ids)
         host_ids = HostCopy(ids)  # queued before the forward below, so it does not wait for it
         feeds = [not _ends_at_limit(seq) for seq in rows]
         width = max(len(seq.stop_token_ids) for seq in rows) or 1
@@ -449,14 +455,16 @@ class Executor:
         )
         for seq in rows:
             self.memory.ensure_pages(seq, len(seq.tokens) + 1)
-        batch = build_ahead_batch(rows, ids, stops)
+        vocab = self.runtime.spec.vocab_size
+        greedy_below = min(self._vocab_limit or vocab, vocab) if plain_greedy(samplers) else None
+        batch = build_ahead_batch(rows, ids, stops, greedy_below)
         clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
         for index, seq in enumerate(rows):
             if feeds[index]:
                 seq.fed = len(seq.tokens) + 1  # the token committed next
                 seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
-        self._ahead = AheadRound(tuple(rows), output.logits)
+        self._ahead = AheadRound(tuple(rows), output.logits, output.greedy_ids)
         clock.switch(Phase.DEVICE_WAIT, WorkClass.DECODE)
         tokens = host_ids.wait().tolist()
         clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)

@@ -116,15 +116,22 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit:
     return sample_token_ids(logits, rows, vocab_limit).tolist()
 
 
-def sample_token_ids(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_limit: int | None = None) -> torch.Tensor:
-    """:func:`sample_tokens` as int64 ids ``[R]`` on the logits' device (no transfer back, no host sync)."""
+def sample_token_ids(
+    logits: torch.Tensor,
+    rows: Sequence[RowSampler],
+    vocab_limit: int | None = None,
+    greedy_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sample_tokens` as int64 ids ``[R]`` on the logits' device (no transfer back, no host sync);
+    ``greedy_ids``: the argmax of ``logits`` below ``vocab_limit`` that the forward took with them
+    (``ForwardOutput.greedy_ids``), what rows that are all :func:`plain_greedy` sample."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(
             f"logits must be [rows, vocab] with one row per sampler; got {tuple(logits.shape)} for {len(rows)} rows"
         )
+    if plain_greedy(rows):  # no parameters to copy, a plain argmax
+        return greedy_ids if greedy_ids is not None else greedy_token_ids(logits, vocab_limit)
     penalty = stacked_penalties(rows)
-    if penalty is None and all(row.greedy for row in rows):  # no parameters to copy, a plain argmax
-        return greedy_token_ids(logits, vocab_limit)
     table = to_device(parameter_table(rows, draw=True), logits.device)
     return _row_sampler(logits.device.type)(
         logits,
@@ -137,6 +144,11 @@ def sample_token_ids(logits: torch.Tensor, rows: Sequence[RowSampler], vocab_lim
         penalty_rows=None if penalty is None else table[_PENALTY_ROW],
         vocab_limit=vocab_limit,
     )
+
+
+def plain_greedy(rows: Sequence[RowSampler]) -> bool:
+    """Whether every row samples greedily without penalties: a plain argmax (``ForwardBatch.greedy_below``)."""
+    return all(row.greedy and row.penalty is None for row in rows)
 
 
 def greedy_token_ids(logits: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:

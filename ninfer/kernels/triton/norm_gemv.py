@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ninfer.kernels.triton import interpreting, next_power_of_2
+from ninfer.kernels.triton.argmax_keys import INT64_MIN, key_column, sortable_key
 
 MAX_ROWS = 64  # activation rows one call takes (a padded tl.dot tile beyond 16 rows)
 INTERPRETER_ROWS = 512  # output rows per program at one row in Triton's interpreter, which runs programs one by one
@@ -282,9 +283,10 @@ def _add_norm_gemv_kernel(
     hidden_ptr, hidden_stride, pending_ptr, pending_stride, norm_weight_ptr, w_ptr, out_ptr, hidden_out_ptr,
     normed_out_ptr, tokens, out_features, width, eps,
     conv_weight_ptr, conv_cache_ptr, cache_slot_stride, slots_ptr, conv_channels, out_address_ptr,
+    argmax_keys_ptr, argmax_limit_ptr,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_PENDING: tl.constexpr, KEEP_NORMED: tl.constexpr, CONV: tl.constexpr, WINDOW: tl.constexpr,
-    OUT_AT_ADDRESS: tl.constexpr, PDL: tl.constexpr,
+    OUT_AT_ADDRESS: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
@@ -335,6 +337,23 @@ def _add_norm_gemv_kernel(
         out_ptr = tl.load(out_address_ptr).to(tl.pointer_type(out_ptr.dtype.element_ty))
     out = out_ptr + t[:, None] * out_features + rows[None, :]
     tl.store(out, y, mask=token_valid[:, None] & row_valid[None, :])
+    if ARGMAX:  # each token's largest key among this program's rows below the staged limit, merged by atomic max
+        limit = tl.load(argmax_limit_ptr)
+        candidate = token_valid[:, None] & (rows < limit)[None, :]
+        keys = tl.where(candidate, sortable_key(y.to(tl.float32), rows[None, :]), INT64_MIN)
+        tl.atomic_max(argmax_keys_ptr + t, tl.max(keys, axis=1), mask=token_valid & (limit > 0), sem="relaxed")
+
+
+@attrs.frozen
+class ArgmaxEpilogue:
+    """Each token's argmax over the first ``limit[0]`` projected columns, computed inside ``add_norm_gemv`` (the
+    one-row lm_head: greedy ids without a pass over the logits): the kernel merges every program's largest key
+    (``argmax_keys``) into ``keys [N]`` (int64, ``INT64_MIN`` before the launch) by atomic max; ``limit [1]`` (int64
+    on the device, read when the kernel runs; 0: none) lets a captured graph take it per replay.
+    ``greedy_ids_from_keys`` turns the keys into ids and resets them."""
+
+    keys: torch.Tensor
+    limit: torch.Tensor
 
 
 @attrs.frozen
@@ -365,6 +384,7 @@ def add_norm_gemv(
     conv: ConvEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_address: torch.Tensor | None = None,
+    argmax: ArgmaxEpilogue | None = None,
     tiles: GemvTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(new hidden, projected or None, normed or None)`` of ``hidden, pending [N <= 64, H]`` in one launch.
@@ -378,7 +398,8 @@ def add_norm_gemv(
     activation dtype first, e.g. fp32 logits that equal the bf16 ones); default the activation dtype.
     ``out_address``: a one-element int64 tensor on the device that holds, when the kernel runs, the address of the
     contiguous ``[N, O]`` tensor of that dtype to store ``projected`` in (so each replay of a captured graph writes
-    into a tensor of its own); ``projected`` is then returned as None.
+    into a tensor of its own); ``projected`` is then returned as None. ``argmax``: each token's argmax of
+    ``projected`` as keys (``ArgmaxEpilogue``).
     """
     tokens, width = hidden.shape
     if not 1 <= tokens <= MAX_ROWS:
@@ -398,6 +419,11 @@ def add_norm_gemv(
         out_address.shape != (1,) or out_address.dtype != torch.int64 or out_address.device != hidden.device
     ):
         raise ValueError(f"out_address must be a one-element int64 tensor on {hidden.device}")
+    if argmax is not None and (
+        argmax.keys.shape != (tokens,) or argmax.limit.shape != (1,)
+        or any(t.dtype != torch.int64 or t.device != hidden.device for t in (argmax.keys, argmax.limit))
+    ):
+        raise ValueError(f"argmax keys and limit must be int64 [{tokens}] and [1] on {hidden.device}")
     out_shape = (tokens, out_features) if out_address is None else (1,)  # else only the pointer's type
     out = torch.empty(out_shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if conv is not None and out.dtype != hidden.dtype:
@@ -412,12 +438,38 @@ def add_norm_gemv(
         *((conv.weight, conv.cache, conv.cache.stride(0), conv.slots, conv.weight.shape[0]) if conv is not None
           else (weight, weight, 0, weight, 0)),
         out_address if out_address is not None else out,
+        *((argmax.keys, argmax.limit) if argmax is not None else (out, out)),
         TOKENS=token_block(tokens, tiles.rows), ROWS=tiles.rows, BLOCK_K=block_k, WHOLE_ROW=block_k >= width,
         HAS_PENDING=pending is not None, KEEP_NORMED=keep_normed, CONV=conv is not None, WINDOW=window,
-        OUT_AT_ADDRESS=out_address is not None, PDL=tiles.pdl, num_warps=tiles.warps,
+        OUT_AT_ADDRESS=out_address is not None, ARGMAX=argmax is not None, PDL=tiles.pdl, num_warps=tiles.warps,
         num_stages=tiles.stages, **launch_options(tiles.pdl),
     )
     return new_hidden, out if out_address is None else None, normed
+
+
+@triton.jit
+def _greedy_ids_kernel(keys_ptr, ids_address_ptr, tokens, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    ids_address = tl.load(ids_address_ptr)  # staged before the launch
+    after_predecessor(PDL)
+    t = tl.arange(0, BLOCK)
+    inside = t < tokens
+    keys = tl.load(keys_ptr + t, mask=inside, other=INT64_MIN)
+    ids_ptr = ids_address.to(tl.pointer_type(tl.int64))
+    tl.store(ids_ptr + t, key_column(keys), mask=inside & (ids_address != 0))
+    tl.store(keys_ptr + t, tl.full([BLOCK], INT64_MIN, tl.int64), mask=inside)
+
+
+def greedy_ids_from_keys(keys: torch.Tensor, ids_address: torch.Tensor) -> None:
+    """The launch after an ``add_norm_gemv`` with ``ArgmaxEpilogue(keys, ...)``: stores each token's argmax column
+    as int64 at the address ``ids_address [1]`` holds when it runs (none where it holds 0) and sets ``keys`` back
+    to ``INT64_MIN`` for the next launch."""
+    if keys.dim() != 1 or keys.dtype != torch.int64 or ids_address.shape != (1,) or ids_address.dtype != torch.int64:
+        raise ValueError("keys must be an int64 [N] and ids_address an int64 [1]")
+    pdl = pdl_supported(keys.device)
+    _greedy_ids_kernel[(1,)](
+        keys, ids_address, keys.shape[0], BLOCK=max(2, next_power_of_2(keys.shape[0])), PDL=pdl, num_warps=1,
+        **launch_options(pdl),
+    )
 
 
 def _check_conv(conv: ConvEpilogue, tokens: int, out_features: int) -> int:

@@ -7,11 +7,11 @@ sorted top ``TOP_K_CAP`` and applies temperature, top-k, softmax, top-p, min-p a
 a row with temperature 0 takes its best candidate. So a 248320-wide row is read once, by 31 to 122 programs. Both
 stages select with a bound instead of twenty passes over their block (see ``_top_keys``).
 
-A candidate travels as one int64 key: the order-preserving integer image of its fp32 penalized logit in the high
-32 bits and ``2**31 - 1 - column`` in the low bits, so the largest key is the largest logit and, among equal logits,
-the lowest column (which is ``argmax``'s first-index rule; ``torch.topk`` leaves the order of equal logits
-unspecified, so sampled rows agree with the twin exactly only where the top candidates are tie-free). ``-0.0``
-ranks just below ``+0.0``.
+A candidate travels as one int64 key (``argmax_keys``): the order-preserving integer image of its fp32 penalized
+logit in the high 32 bits and ``2**31 - 1 - column`` in the low bits, so the largest key is the largest logit and,
+among equal logits, the lowest column (which is ``argmax``'s first-index rule; ``torch.topk`` leaves the order of
+equal logits unspecified, so sampled rows agree with the twin exactly only where the top candidates are tie-free).
+``-0.0`` ranks just below ``+0.0``.
 
 Softmax exponentials use Triton's ``exp``, so probabilities differ from torch's in the last bits: a uniform or a
 top-p/min-p threshold falling within ~1e-6 of a boundary can resolve differently; otherwise the ids are identical.
@@ -24,21 +24,13 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.sampling import TOP_K_CAP
+from ninfer.kernels.triton.argmax_keys import INT64_MIN, key_column, sortable_key
 
 SMALL_BATCH_CHUNK, CHUNK = 2048, 8192  # below 4 rows narrower chunks spread one row over more programs
 _KEY_LANES = 32  # >= TOP_K_CAP, a power of two
 _GROUPS = 64  # strided groups whose maxima bound a block's top keys
 _SLOTS = 64  # candidates ranked directly; more fall back to one maximum at a time
-_INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
-
-
-@triton.jit
-def _sortable_key(values, columns):
-    """int64 keys ordered like (fp32 value, then lower column first)."""
-    bits = values.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (2147483647 - columns).to(tl.int64)
 
 
 @triton.jit
@@ -49,19 +41,14 @@ def _key_value(keys):
 
 
 @triton.jit
-def _key_column(keys):
-    return 2147483647 - (keys & 2147483647)
-
-
-@triton.jit
 def _top_keys_iterative(keys, K: tl.constexpr, LANES: tl.constexpr):
     """The ``K`` largest keys sorted descending in ``LANES`` lanes (int64 minimum past them), one maximum at a time."""
     lanes = tl.arange(0, LANES)
-    top = tl.full([LANES], _INT64_MIN, tl.int64)
+    top = tl.full([LANES], INT64_MIN, tl.int64)
     for slot in tl.static_range(K):
         best = tl.max(keys, axis=0)
         top = tl.where(lanes == slot, best, top)
-        keys = tl.where(keys == best, _INT64_MIN, keys)
+        keys = tl.where(keys == best, INT64_MIN, keys)
     return top
 
 
@@ -71,7 +58,7 @@ def _top_keys_by_rank(candidates, K: tl.constexpr, LANES: tl.constexpr):
     rank = tl.sum((candidates[None, :] > candidates[:, None]).to(tl.int32), axis=1)
     lanes = tl.arange(0, LANES)
     placed = (rank[:, None] == lanes[None, :]) & (lanes[None, :] < K)
-    return tl.max(tl.where(placed, candidates[:, None], _INT64_MIN), axis=0)
+    return tl.max(tl.where(placed, candidates[:, None], INT64_MIN), axis=0)
 
 
 @triton.jit
@@ -94,14 +81,14 @@ def _top_keys(
     group_max = tl.max(tl.reshape(keys, [BLOCK // GROUPS, GROUPS]), axis=0)
     group_rank = tl.sum((group_max[None, :] > group_max[:, None]).to(tl.int32), axis=1)
     floor = tl.min(tl.where(group_rank < K, group_max, _INT64_MAX), axis=0)
-    chosen = (keys >= floor) & (keys != _INT64_MIN)
+    chosen = (keys >= floor) & (keys != INT64_MIN)
     count = tl.sum(chosen.to(tl.int32), axis=0)
     if count <= SLOTS:
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         tl.store(scratch_ptr + slot, keys, mask=chosen)
         tl.debug_barrier()
         offsets = tl.arange(0, SLOTS)
-        candidates = tl.load(scratch_ptr + offsets, mask=offsets < count, other=_INT64_MIN)
+        candidates = tl.load(scratch_ptr + offsets, mask=offsets < count, other=INT64_MIN)
         top = _top_keys_by_rank(candidates, K, LANES)
     else:
         top = _top_keys_iterative(keys, K, LANES)
@@ -137,7 +124,7 @@ def _chunk_candidates_kernel(
         penalized = inside & (columns < penalty_cols) & (penalty_row >= 0)
         safe_row = tl.maximum(penalty_row, 0)
         values -= tl.load(penalty_ptr + safe_row * penalty_stride + columns, mask=penalized, other=0.0).to(tl.float32)
-    keys = tl.where(inside, _sortable_key(values, columns), _INT64_MIN)
+    keys = tl.where(inside, sortable_key(values, columns), INT64_MIN)
     program = row * n_chunks + chunk
     top = _top_keys(keys, scratch_ptr + program * SLOTS, K, LANES, BLOCK, GROUPS, SLOTS)
     lanes = tl.arange(0, LANES)
@@ -164,10 +151,10 @@ def _pick_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
-    keys = tl.load(keys_ptr + row * n_keys + offsets, mask=offsets < n_keys, other=_INT64_MIN)
+    keys = tl.load(keys_ptr + row * n_keys + offsets, mask=offsets < n_keys, other=INT64_MIN)
     top = _top_keys(keys, scratch_ptr + row * SLOTS, K, LANES, BLOCK, GROUPS, SLOTS)
     lanes = tl.arange(0, LANES)
-    columns = _key_column(top)
+    columns = key_column(top)
     best_column = tl.sum(tl.where(lanes == 0, columns, 0), axis=0)
 
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
@@ -272,13 +259,13 @@ def sample_rows(
 
 @triton.jit
 def _chunk_max_kernel(logits_ptr, keys_ptr, n_cols, row_stride, n_chunks, BLOCK: tl.constexpr):
-    """The largest key (``_sortable_key``) of one chunk of one row."""
+    """The largest key (``sortable_key``) of one chunk of one row."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = cols < n_cols
     values = tl.load(logits_ptr + row * row_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    keys = tl.where(valid, _sortable_key(values, cols), _INT64_MIN)
+    keys = tl.where(valid, sortable_key(values, cols), INT64_MIN)
     tl.store(keys_ptr + row * n_chunks + chunk, tl.max(keys, axis=0))
 
 
@@ -287,8 +274,8 @@ def _row_max_kernel(keys_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
     """The column of a row's largest chunk key."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
-    keys = tl.load(keys_ptr + row * n_chunks + c, mask=c < n_chunks, other=_INT64_MIN)
-    tl.store(out_ptr + row, _key_column(tl.max(keys, axis=0)))
+    keys = tl.load(keys_ptr + row * n_chunks + c, mask=c < n_chunks, other=INT64_MIN)
+    tl.store(out_ptr + row, key_column(tl.max(keys, axis=0)))
 
 
 def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None, *, chunk: int | None = None) -> torch.Tensor:

@@ -42,7 +42,13 @@ from ninfer.kernels.triton.moe_grouped import MAX_TOKENS as GROUPED_MOE_MAX_ROWS
 from ninfer.kernels.triton.moe_grouped import grouped_moe_decode, grouped_moe_decode_add_norm, moe_workspace
 from ninfer.kernels.triton.moe_persistent import NotResidentError, persistent_moe_decode
 from ninfer.kernels.triton.norm_gemv import MAX_ROWS as NORM_GEMV_MAX_ROWS
-from ninfer.kernels.triton.norm_gemv import ConvEpilogue, add_norm_gemv, gated_norm_gemv
+from ninfer.kernels.triton.norm_gemv import (
+    ArgmaxEpilogue,
+    ConvEpilogue,
+    add_norm_gemv,
+    gated_norm_gemv,
+    greedy_ids_from_keys,
+)
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
 from ninfer.kernels.triton.staging import decode_prologue, stage_inputs
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
@@ -61,7 +67,7 @@ log = logging.getLogger("ninfer.decode")
 MIN_PAGE_BUCKET = 64  # page-table widths are bucketed to powers of two from here
 SEGMENT_GROWTH = 4  # each graph segment of a step holds this many times the layers of the one before
 # DecodeInputs' fields, in buffer order
-TOKEN_IDS, POSITIONS, CONTEXT_LENS, STATE_SLOTS, PAGE_TABLES, LOGITS_ADDRESS = range(6)
+TOKEN_IDS, POSITIONS, CONTEXT_LENS, STATE_SLOTS, PAGE_TABLES, LOGITS_ADDRESS, GREEDY_ADDRESS, GREEDY_BELOW = range(8)
 
 
 class DecodeInputs:
@@ -70,15 +76,17 @@ class DecodeInputs:
 
     All inputs live in one int64 device buffer filled by a single copy from a pinned host staging buffer:
     ``token_ids [T]``, ``positions [3, T]`` (MRoPE rows), ``context_lens [R]`` (tokens cached before this forward),
-    ``state_slots [R]``, ``page_tables [R, W]`` (T = R*q) and ``logits_address [1]`` (where a step that stores its
-    logits through it writes them: a tensor allocated for that step).
+    ``state_slots [R]``, ``page_tables [R, W]`` (T = R*q), and where a step whose lm_head folds the final norm
+    writes its outputs: ``logits_address [1]``, ``greedy_address [1]`` and ``greedy_below [1]`` (tensors allocated
+    for that step; the argmax below that many columns, 0: none). ``argmax_keys [R]``: the lm_head's argmax keys
+    (``ArgmaxEpilogue``), ``INT64_MIN`` between steps.
     """
 
     def __init__(self, rows: int, width: int, device: torch.device, q: int = 1) -> None:
         self.rows, self.q, self.width = rows, q, width
         tokens = rows * q
         self._bounds = (tokens, 4 * tokens, 4 * tokens + rows, 4 * tokens + 2 * rows, 4 * tokens + rows * (2 + width))
-        size = self._bounds[-1] + 1
+        size = self._bounds[-1] + 3
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         cuda = device.type == "cuda"
         self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
@@ -89,12 +97,13 @@ class DecodeInputs:
         self._staged = torch.cuda.Event() if cuda else None  # the staging launch has read the landing buffer
         self._device_views = self._views(self.device_buffer)
         (self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables,
-         self.logits_address) = self._device_views
+         self.logits_address, self.greedy_address, self.greedy_below) = self._device_views
+        self.argmax_keys = torch.full((rows,), -(2**63), dtype=torch.int64, device=device)
         self._host_views = self._views(self.host_buffer.numpy())
         self._landing_views = self._views(self._landing) if cuda else None
 
     def _views(self, buffer: Any) -> tuple[Any, ...]:
-        """The six fields as views of ``buffer`` (the device tensor or the host numpy array)."""
+        """The eight fields as views of ``buffer`` (the device tensor or the host numpy array)."""
         a, b, c, d, e = self._bounds
         return (
             buffer[:a],
@@ -102,12 +111,17 @@ class DecodeInputs:
             buffer[b:c],
             buffer[c:d],
             buffer[d:e].reshape(self.rows, self.width),
-            buffer[e:],
+            buffer[e : e + 1],
+            buffer[e + 1 : e + 2],
+            buffer[e + 2 :],
         )
 
-    def load(self, batch: ForwardBatch, logits: torch.Tensor | None = None) -> None:
-        """Stage one batch into the device buffer without a host sync; ``logits``: the tensor whose address the
-        step finds in ``logits_address``.
+    def load(
+        self, batch: ForwardBatch, logits: torch.Tensor | None = None, greedy_ids: torch.Tensor | None = None
+    ) -> None:
+        """Stage one batch into the device buffer without a host sync; ``logits`` and ``greedy_ids``: the tensors
+        whose addresses the step finds in ``logits_address`` and ``greedy_address`` (the argmax below
+        ``batch.greedy_below`` columns).
 
         Host fields are written through numpy views of the pinned buffer (no torch op, no allocation) and go over in
         one asynchronous transfer; fields already on the device are copied device to device after it. With
@@ -121,6 +135,8 @@ class DecodeInputs:
             self._copied.synchronize()  # the previous transfer has read the pinned buffer
         self._host_views[CONTEXT_LENS][...] = batch.context_lens
         self._host_views[LOGITS_ADDRESS][...] = 0 if logits is None else logits.data_ptr()
+        self._host_views[GREEDY_ADDRESS][...] = 0 if greedy_ids is None else greedy_ids.data_ptr()
+        self._host_views[GREEDY_BELOW][...] = 0 if greedy_ids is None else batch.greedy_below
         width = batch.page_tables.shape[1]
         on_device = []
         fields = (
@@ -275,11 +291,13 @@ class DecodeGraphRunner:
         width = max(MIN_PAGE_BUCKET, next_power_of_2(batch.page_tables.shape[1]))
         key = (rows, width, _identity(kv, state))
         captured = self._graphs.get(key) if self.use_graphs else None
-        # where the lm_head stores through the staged address, the step writes a tensor of its own
-        logits = torch.empty((rows, self.model.lm_head.shape[0]), dtype=torch.float32, device=self.model.device) \
-            if self._lm_head_folds(rows) else None
+        # where the lm_head folds the final norm, the step writes tensors of its own through staged addresses
+        folds, device = self._lm_head_folds(rows), self.model.device
+        logits = torch.empty((rows, self.model.lm_head.shape[0]), dtype=torch.float32, device=device) if folds else None
+        greedy = batch.greedy_below is not None and folds
+        greedy_ids = torch.empty(rows, dtype=torch.int64, device=device) if greedy else None
         if captured is not None:
-            captured.inputs.load(batch, logits)
+            captured.inputs.load(batch, logits, greedy_ids)
             captured.replay()
             hidden, static_logits = captured.hidden, captured.logits
             hidden = hidden.clone() if batch.return_hidden else None
@@ -287,14 +305,15 @@ class DecodeGraphRunner:
             inputs = self._eager_inputs.get((rows, width))
             if inputs is None:
                 inputs = self._eager_inputs[(rows, width)] = DecodeInputs(rows, width, self.model.device)
-            inputs.load(batch, logits)
+            inputs.load(batch, logits, greedy_ids)
             hidden, static_logits = self.step(inputs, kv, state)
             if self.use_graphs:
                 self._graphs[key] = self._capture(rows, width, kv, state)
         if logits is None and batch.logits != "none":
             logits = static_logits.to(torch.float32, copy=True)  # a copy, which the next replay cannot overwrite
         return ForwardOutput(
-            logits=None if batch.logits == "none" else logits, hidden=hidden if batch.return_hidden else None
+            logits=None if batch.logits == "none" else logits, hidden=hidden if batch.return_hidden else None,
+            greedy_ids=greedy_ids,
         )
 
     def captured(self, rows: int) -> list[CapturedStep]:
@@ -321,7 +340,7 @@ class DecodeGraphRunner:
                     carry = self._prologue(inputs, kv)
                 carry = self._layers(carry, inputs, kv, state, start, stop)
                 if index == len(bounds) - 1:
-                    hidden, logits = self._epilogue(carry, inputs.logits_address)
+                    hidden, logits = self._epilogue(carry, inputs)
             graphs.append(graph)
         return CapturedStep(graphs=graphs, inputs=inputs, hidden=hidden, logits=logits)
 
@@ -334,7 +353,7 @@ class DecodeGraphRunner:
         """One decode traversal over the static buffers: returns final-normed hidden ``[B, H]`` and the logits
         (``_epilogue``: None where they go to ``inputs.logits_address``; else ``forward`` returns an fp32 copy)."""
         carry = self._layers(self._prologue(inputs, kv), inputs, kv, state, 0, len(self.model.layers))
-        return self._epilogue(carry, inputs.logits_address)
+        return self._epilogue(carry, inputs)
 
     def _prologue(self, inputs: DecodeInputs, kv: KVCache) -> StepCarry:
         hidden, slot_mapping, total_lens = decode_prologue(
@@ -390,19 +409,23 @@ class DecodeGraphRunner:
         return tokens <= max(1, min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS))
 
     def _epilogue(
-        self, carry: StepCarry, logits_address: torch.Tensor | None = None
+        self, carry: StepCarry, inputs: DecodeInputs | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(final-normed hidden, logits with the activation dtype's values)``: at one row, and where the layers
         fold their norms, the final norm goes inside the lm_head GEMV, which stores the logits as fp32 (faster than
         the norm launch and cuBLAS at one row: 35B-A3B 222 against 242 µs, 27B 562 against 597 µs on the H200,
-        docs/performance.md round 17), into the tensor at ``logits_address`` where given (then the logits returned
-        are None: no copy after a replay, 1.8 µs and a launch gap between the 35B-A3B's)."""
+        docs/performance.md round 17). With the step's ``inputs`` (a decode step) it stores them at the staged
+        ``logits_address`` (then the logits returned are None: no copy after a replay) and takes the argmax below
+        the staged ``greedy_below`` into ``greedy_address`` (``ArgmaxEpilogue``: no argmax launches after it)."""
         model, eps = self.model, self.config.rms_norm_eps
         if self._lm_head_folds(carry.hidden.shape[0]):
             _, logits, final = add_norm_gemv(
                 carry.hidden, carry.pending, model.norm, model.lm_head, eps, keep_normed=True, out_dtype=torch.float32,
-                out_address=logits_address,
+                out_address=None if inputs is None else inputs.logits_address,
+                argmax=None if inputs is None else ArgmaxEpilogue(inputs.argmax_keys, inputs.greedy_below),
             )
+            if inputs is not None:
+                greedy_ids_from_keys(inputs.argmax_keys, inputs.greedy_address)
             return final, logits
         _, final = self._add_norm(carry.pending, carry.hidden, model.norm)
         return final, model.activation_logits(final)

@@ -152,6 +152,12 @@ class Qwen35Runtime:
                 f"capture_layers {list(batch.capture_layers)} must be distinct decoder layers in "
                 f"[0, {self.config.num_hidden_layers})"
             )
+        if batch.greedy_below is not None and not (
+            batch.logits == "last" and 1 <= batch.greedy_below <= self.spec.vocab_size
+        ):
+            raise ForwardBatchError(
+                f"greedy_below must be in [1, {self.spec.vocab_size}] with logits 'last'; got {batch.greedy_below}"
+            )
         if low < 0 or high >= self.config.vocab_size:
             raise ForwardBatchError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")
 
