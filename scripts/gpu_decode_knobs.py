@@ -83,7 +83,7 @@ VARIANTS: dict[str, tuple[Callable[[object], None], ...]] = {
     "split 32": (split_minimum(32),),
     "segments 1": (SEGMENTS_1,),
     "segments 2": (decoder_attribute("graph_segments", 2),),
-    "fold norms": (decoder_attribute("norm_gemv_rows", 1),),  # the 27B's default is 0 (round 17's lead)
+    "separate norms": (decoder_attribute("norm_gemv_rows", 0),),  # every model folds them at one row since round 19
     "value split 2": (decoder_attribute("gdn_value_split", 2),),
     "value split 8": (decoder_attribute("gdn_value_split", 8),),
     "gated 4x2048": (tiles_of(GATED, 4, 2048),),

@@ -189,9 +189,6 @@ def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
     return Qwen35Runtime(model, Qwen35MTP.load(loader, model), decoder)
 
 
-NORM_GEMV_MAX_HIDDEN = 2048  # the widest hidden size whose decode norms fold into the GEMVs (see ``accelerate``)
-
-
 def accelerate(
     model: Qwen35Model, *, cuda_graphs: bool, on_layer: Callable[[int, Any], None] | None = None
 ) -> tuple[Qwen35Model, "DecodeGraphRunner | None"]:
@@ -205,7 +202,7 @@ def accelerate(
     from ninfer.plugins.qwen3_5.fused import fuse_model
 
     model, fused = fuse_model(model, on_layer)
-    # norms folded into the GEMVs at batch 1 where the rows are short (35B-A3B, hidden 2048: step 2.95 -> 2.74 ms on
-    # the H200); on wider rows (27B, hidden 5120) cuBLAS is as fast, and at 8 rows it is faster for both
-    norm_gemv_rows = 1 if model.config.hidden_size <= NORM_GEMV_MAX_HIDDEN else 0
-    return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs, norm_gemv_rows=norm_gemv_rows)
+    # norms folded into the GEMVs at batch 1 (H200: 35B-A3B step 2.95 -> 2.74 ms in round 5; 27B overlapped step
+    # 13.46 -> 13.13 ms in round 19, once the GEMV took 5120-wide rows in 1024-column steps); at 8 rows cuBLAS is
+    # faster for both (docs/performance.md)
+    return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs, norm_gemv_rows=1)
