@@ -76,10 +76,10 @@ class DecodeInputs:
 
     All inputs live in one int64 device buffer filled by a single copy from a pinned host staging buffer:
     ``token_ids [T]``, ``positions [3, T]`` (MRoPE rows), ``context_lens [R]`` (tokens cached before this forward),
-    ``state_slots [R]``, ``page_tables [R, W]`` (T = R*q), and where a step whose lm_head folds the final norm
-    writes its outputs: ``logits_address [1]``, ``greedy_address [1]`` and ``greedy_below [1]`` (tensors allocated
-    for that step; the argmax below that many columns, 0: none). ``argmax_keys [R]``: the lm_head's argmax keys
-    (``ArgmaxEpilogue``), ``INT64_MIN`` between steps.
+    ``state_slots [R]``, ``page_tables [R, W]`` (T = R*q) and, for a step whose lm_head folds the final norm,
+    ``logits_address [1]`` and ``greedy_address [1]`` (where it stores its logits and greedy ids: tensors allocated
+    for that step) and ``greedy_below [1]`` (the argmax's column limit; 0: no argmax). ``argmax_keys [R]``: the
+    lm_head's argmax keys (``ArgmaxEpilogue``), ``INT64_MIN`` between steps.
     """
 
     def __init__(self, rows: int, width: int, device: torch.device, q: int = 1) -> None:
