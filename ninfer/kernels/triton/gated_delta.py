@@ -80,16 +80,21 @@ def _gated_delta_kernel(
         k = tl.load(base + (KEY_HEADS + key_head) * DK + dk).to(tl.float32)
         v_raw = tl.load(base + 2 * KEY_HEADS * DK + head * DV + dv)
         v = v_raw.to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2EPS) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2EPS)
         beta = tl.sigmoid(tl.load(b_ptr + token * gate_stride + head).to(tl.float32))
         x = tl.load(a_ptr + token * gate_stride + head).to(tl.float32) + dt_bias
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        state = state * tl.exp(rate * softplus)
-        predicted = tl.sum(state * k[:, None], axis=0)
-        delta = beta * (v - predicted)
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
+        decay = tl.exp(rate * softplus)
+        # With k' = k * rk, q' = q * rq (the L2 norms, q's scaled) and S' = decay * S + k' delta^T, the prediction is
+        # (decay * S)^T k' = decay * rk * S^T k and the output S'^T q' = decay * rq * S^T q + rk * rq * (k . q) *
+        # delta: every reduction reads the loaded q, k and state, none waits for another (one level, was three).
+        rk = tl.rsqrt(tl.sum(k * k, axis=0) + L2EPS)
+        rq = tl.rsqrt(tl.sum(q * q, axis=0) + L2EPS) * scale
+        kq = tl.sum(k * q, axis=0)
+        state_k = tl.sum(state * k[:, None], axis=0)
+        state_q = tl.sum(state * q[:, None], axis=0)
+        delta = beta * (v - decay * rk * state_k)
+        o = decay * rq * state_q + (rk * rq * kq) * delta
+        state = state * decay + (k * rk)[:, None] * delta[None, :]
         if FUSE_NORM:
             z = tl.load(z_ptr + token * z_stride + head * DV + dv).to(tl.float32)
             o = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps) * norm_weight * (z * tl.sigmoid(z))
