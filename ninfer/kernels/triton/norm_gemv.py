@@ -356,6 +356,12 @@ class ArgmaxEpilogue:
     limit: torch.Tensor
 
 
+def argmax_keys(tokens: int, device: torch.device | str) -> torch.Tensor:
+    """``ArgmaxEpilogue`` keys for ``tokens`` rows as a launch expects them (and ``greedy_ids_from_keys`` leaves
+    them): ``INT64_MIN``."""
+    return torch.full((tokens,), INT64_MIN.value, dtype=torch.int64, device=device)
+
+
 @attrs.frozen
 class ConvEpilogue:
     """The Gated DeltaNet's causal conv step applied to the first ``weight.shape[0]`` projected columns inside

@@ -46,6 +46,7 @@ from ninfer.kernels.triton.norm_gemv import (
     ArgmaxEpilogue,
     ConvEpilogue,
     add_norm_gemv,
+    argmax_keys,
     gated_norm_gemv,
     greedy_ids_from_keys,
 )
@@ -98,7 +99,7 @@ class DecodeInputs:
         self._device_views = self._views(self.device_buffer)
         (self.token_ids, self.positions, self.context_lens, self.state_slots, self.page_tables,
          self.logits_address, self.greedy_address, self.greedy_below) = self._device_views
-        self.argmax_keys = torch.full((rows,), -(2**63), dtype=torch.int64, device=device)
+        self.argmax_keys = argmax_keys(rows, device)
         self._host_views = self._views(self.host_buffer.numpy())
         self._landing_views = self._views(self._landing) if cuda else None
 
