@@ -53,7 +53,8 @@ def write_paged_kv(
     flat_values.index_copy_(0, slots, value.to(value_cache.dtype))
 
 
-def _gather_row(cache: torch.Tensor, page_row: torch.Tensor, length: int) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` entries ``[length, ...]`` of one row's paged cache ``[pages, page_size, ...]``."""
     page_size = cache.shape[1]
     pages = page_row[: (length + page_size - 1) // page_size].long()
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
@@ -85,8 +86,8 @@ def paged_attention(
     start = 0
     for row, (length, context) in enumerate(zip(query_lens, context_lens)):
         total = context + length
-        keys = _gather_row(key_cache, page_tables[row], total).float()  # [L, Hkv, D]
-        values = _gather_row(value_cache, page_tables[row], total).float()
+        keys = gather_pages(key_cache, page_tables[row], total).float()  # [L, Hkv, D]
+        values = gather_pages(value_cache, page_tables[row], total).float()
         key_index = torch.arange(total, device=query.device)
         for block in range(0, length, _QUERY_BLOCK):
             stop = min(block + _QUERY_BLOCK, length)

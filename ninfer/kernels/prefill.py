@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ninfer.kernels.attention import paged_attention
+from ninfer.kernels.attention import gather_pages, paged_attention
 from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import _prepare, chunk_gated_delta_rule
 from ninfer.kernels.moe import moe_forward, route_tokens, swiglu
@@ -162,12 +162,6 @@ def prefill_gated_delta_rule(
     return batched_chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    page_size = cache.shape[1]
-    used = pages[: -(-length // page_size)].long()
-    return cache[used].reshape(-1, *cache.shape[2:])[:length]
-
-
 def sdpa_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -185,8 +179,8 @@ def sdpa_paged_attention(
     start = 0
     for row, (length, context) in enumerate(zip(query_lens, context_lens)):
         total = context + length
-        keys = _gather(key_cache, page_tables[row], total).to(query.dtype)
-        values = _gather(value_cache, page_tables[row], total).to(query.dtype)
+        keys = gather_pages(key_cache, page_tables[row], total).to(query.dtype)
+        values = gather_pages(value_cache, page_tables[row], total).to(query.dtype)
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         q = query[start : start + length].transpose(0, 1)[None]
