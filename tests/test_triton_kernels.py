@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from kernel_support import assert_pdl_graph_matches_plain, rel_err
 
-from ninfer.core.runtime import state_update_mask
+from ninfer.core.runtime import StateCache, state_update_mask
 from ninfer.kernels.attention import paged_attention, paged_slot_mapping, write_paged_kv
 from ninfer.kernels.conv import causal_conv1d
 from ninfer.kernels.gated_delta import recurrent_gated_delta_rule
@@ -33,6 +33,7 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.moe import combine_experts, expert_gemv, route_top_k  # noqa: E402
 from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_gated_rms_norm, silu_mul  # noqa: E402
+from ninfer.kernels.triton.pending_state import PendingStateUpdates  # noqa: E402
 from ninfer.kernels.triton.staging import decode_prologue, stage_inputs  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -128,6 +129,69 @@ def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm, value_split):
     assert rel_err(states, ref_states.reshape(tokens, value_heads, dk, dv)) < STATE_TOL
     untouched = [s for s in range(slots_total) if s not in slots.tolist()]
     assert torch.equal(cache[untouched], before[untouched])
+
+
+def _delta_step_inputs(key_heads, value_heads, dk, dv, rows):
+    """One decode token per row: ``qkv`` (a strided slice, as inside the fused projection), ``a``, ``b``."""
+    qkv_width = 2 * key_heads * dk + value_heads * dv
+    proj = randn(rows, qkv_width + 2 * value_heads)
+    return proj[:, :qkv_width], proj[:, qkv_width + value_heads :], proj[:, qkv_width : qkv_width + value_heads]
+
+
+def _reference_delta_step(qkv, a, b, decay_rate, dt_bias, states, key_heads, dk, dv):
+    """``(out [N, Hv, Dv], states after the token)`` by the torch twin, one token per row."""
+    rows, value_heads = a.shape
+    q, k, v = torch.split(qkv[:, None], [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+    out, final, _ = recurrent_gated_delta_rule(
+        q.reshape(rows, 1, key_heads, dk), k.reshape(rows, 1, key_heads, dk), v.reshape(rows, 1, value_heads, dv),
+        (decay_rate * F.softplus(a.float() + dt_bias))[:, None], torch.sigmoid(b.float())[:, None], states,
+    )
+    return out.reshape(rows, value_heads, dv), final
+
+
+@pytest.mark.parametrize("value_split", [1, 4])
+def test_pending_state_updates_give_the_stored_states_outputs_and_settle_into_them(value_split):
+    key_heads, value_heads, dk, dv = (4, 12, 128, 128) if BIG else (2, 4, 16, 16)
+    slots_total, capacity = 5, 3
+    decay_rate = -torch.empty(value_heads, device=DEVICE).uniform_(1, 16)
+    dt_bias = torch.randn(value_heads, device=DEVICE)
+    cache = torch.randn(slots_total, value_heads, dk, dv, device=DEVICE) * 0.1
+    expected = cache.clone()
+    updates = PendingStateUpdates.allocate([cache], capacity, value_split)
+    state = StateCache(conv=[], ssm=[cache], pending=updates)
+    slots = torch.tensor([2, 0, 4], device=DEVICE)
+    for step in range(2 * capacity + 3):  # the record fills, the state is stored, it fills again, one stays
+        qkv, a, b = _delta_step_inputs(key_heads, value_heads, dk, dv, rows=3)
+        stopped = step == 4  # the middle row reads its state but leaves it (and its record) as they are
+        step_slots = torch.tensor([2, -1, 4], device=DEVICE) if stopped else slots
+        out, _ = fused_recurrent_gated_delta(
+            qkv, a, b, decay_rate, dt_bias, state.unsettled_ssm()[0], step_slots, key_heads=key_heads,
+            value_split=value_split, pending=updates.layers[0],
+        )
+        updates.dirty = True
+        ref_out, ref_states = _reference_delta_step(qkv, a, b, decay_rate, dt_bias, expected[slots], key_heads, dk, dv)
+        assert rel_err(out, ref_out) < TOL
+        moved = slots[torch.tensor([0, 2])] if stopped else slots
+        expected[moved] = ref_states[torch.tensor([0, 2])] if stopped else ref_states
+    counts = updates.layers[0].counts
+    # 9 steps of records of 3: stored after the 4th and the 8th, the 9th pending; the stopped row 4th and 9th
+    assert counts[slots].tolist() == [[[n] * value_split] * value_heads for n in (1, 0, 1)]
+    assert rel_err(cache[2], expected[2]) > STATE_TOL and rel_err(cache[0], expected[0]) < STATE_TOL
+    assert rel_err(state.ssm[0], expected) < STATE_TOL  # reading the states settles them
+    assert not counts.any() and not updates.dirty
+
+
+def test_pending_state_updates_refuse_what_they_cannot_record():
+    cache = torch.zeros(2, 4, 16, 16, device=DEVICE)
+    updates = PendingStateUpdates.allocate([cache], 2, value_split=2)
+    qkv, a, b = _delta_step_inputs(2, 4, 16, 16, rows=2)
+    slots, gate = torch.tensor([0, 1], device=DEVICE), torch.ones(4, device=DEVICE)
+    for options in (dict(value_split=1), dict(value_split=2, output_states=True)):
+        with pytest.raises(ValueError, match="pending updates need"):
+            fused_recurrent_gated_delta(qkv, a, b, gate, gate, cache, slots, key_heads=2, pending=updates.layers[0],
+                                        **options)
+    with pytest.raises(ValueError, match="must divide"):
+        PendingStateUpdates.allocate([cache], 2, value_split=3)
 
 
 def _paged_setup(kv_heads, dim, page_size, rows_pages, num_pages):

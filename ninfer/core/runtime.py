@@ -94,12 +94,36 @@ class KVCache:
         return self.key[0].shape[0] if self.key else 0
 
 
+class PendingUpdates(Protocol):
+    """State updates that a runtime's decode kernels leave pending instead of storing them into the SSM states."""
+
+    def settle(self) -> None:
+        """Apply every pending update to its state, so the stored states are whole."""
+        ...
+
+
 @attrs.define
 class StateCache:
-    """StateImage slots: ``conv[i]`` is ``[slots, conv_dim, conv_window]``, ``ssm[i]`` ``[slots, Hv, Dk, Dv]`` fp32."""
+    """StateImage slots: ``conv[i]`` is ``[slots, conv_dim, conv_window]``, ``ssm[i]`` ``[slots, Hv, Dk, Dv]`` fp32.
+
+    A runtime may attach ``pending``: its decode kernels then leave some state updates pending (recorded beside the
+    states), and reading ``ssm`` settles them first, so every other reader and writer sees whole states.
+    """
 
     conv: list[torch.Tensor]
-    ssm: list[torch.Tensor]
+    _ssm: list[torch.Tensor] = attrs.field(alias="ssm")
+    pending: PendingUpdates | None = None
+
+    @property
+    def ssm(self) -> list[torch.Tensor]:
+        """The SSM states, every pending update applied."""
+        if self.pending is not None:
+            self.pending.settle()
+        return self._ssm
+
+    def unsettled_ssm(self) -> list[torch.Tensor]:
+        """The SSM states as stored, without settling ``pending``: for the kernels that read and leave its updates."""
+        return self._ssm
 
     @classmethod
     def allocate(cls, spec: RuntimeSpec, num_slots: int) -> "StateCache":
@@ -120,7 +144,7 @@ class StateCache:
 
     @property
     def num_slots(self) -> int:
-        return self.ssm[0].shape[0] if self.ssm else 0
+        return self._ssm[0].shape[0] if self._ssm else 0
 
     def reset(self, slot: int) -> None:
         for tensor in (*self.conv, *self.ssm):

@@ -25,6 +25,7 @@ import triton.language as tl
 from ninfer.kernels.gated_delta import L2_EPS
 from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
 from ninfer.kernels.triton.norms import gated_rms_norm
+from ninfer.kernels.triton.pending_state import PendingLayer, replay_pending
 
 
 @triton.jit
@@ -43,6 +44,10 @@ def _gated_delta_kernel(
     slots_ptr,
     out_ptr,
     states_out_ptr,
+    pending_keys_ptr,
+    pending_deltas_ptr,
+    pending_decays_ptr,
+    pending_counts_ptr,
     tokens_per_row,
     scale,
     norm_eps,
@@ -55,7 +60,9 @@ def _gated_delta_kernel(
     STORE_STATES: tl.constexpr,
     L2EPS: tl.constexpr,
     PDL: tl.constexpr,
+    PENDING: tl.constexpr,
 ):
+    # PENDING > 0 (one token per row): the state's last updates wait in records of this capacity (``pending_state``)
     pid = tl.program_id(0)
     row = (pid // VALUE_HEADS).to(tl.int64)
     head = pid % VALUE_HEADS
@@ -68,6 +75,14 @@ def _gated_delta_kernel(
     tile = dk[:, None] * DV + dv[None, :]
     state_base = state_ptr + (slot * VALUE_HEADS + head) * (DK * DV)
     state = tl.load(state_base + tile)
+    if PENDING > 0:
+        record = slot * VALUE_HEADS + head
+        count_at = pending_counts_ptr + record * tl.num_programs(1) + tl.program_id(1)
+        count = tl.load(count_at)
+        keys_at = pending_keys_ptr + record * (PENDING * DK)
+        deltas_at = pending_deltas_ptr + record * (PENDING * DV)
+        decays_at = pending_decays_ptr + record * PENDING
+        state = replay_pending(state, keys_at, deltas_at, decays_at, count, dk, dv, PENDING, DK, DV)
     rate = tl.load(decay_rate_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     if FUSE_NORM:
@@ -101,7 +116,18 @@ def _gated_delta_kernel(
         tl.store(out_ptr + (token * VALUE_HEADS + head) * DV + dv, o.to(v_raw.dtype))
         if STORE_STATES:
             tl.store(states_out_ptr + (token * VALUE_HEADS + head) * (DK * DV) + tile, state)
-    tl.store(state_base + tile, state, mask=(tile >= 0) & update)
+        if PENDING > 0:  # this update joins the record unless it is full
+            append = update & (count < PENDING)
+            tl.store(deltas_at + count * DV + dv, delta, mask=append & (dv >= 0))
+            first_block = tl.program_id(1) == 0
+            tl.store(keys_at + count * DK + dk, k * rk, mask=append & first_block & (dk >= 0))
+            tl.store(decays_at + count, decay, mask=append & first_block)
+    if PENDING > 0:  # a full record: the state is stored, and the record starts again
+        full = count >= PENDING
+        tl.store(state_base + tile, state, mask=(tile >= 0) & update & full)
+        tl.store(count_at, tl.where(full, 0, count + 1), mask=update)
+    else:
+        tl.store(state_base + tile, state, mask=(tile >= 0) & update)
 
 
 def fused_recurrent_gated_delta(
@@ -123,6 +149,7 @@ def fused_recurrent_gated_delta(
     states_out: torch.Tensor | None = None,
     value_split: int = 1,
     pdl: bool | None = None,
+    pending: PendingLayer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``tokens_per_row`` tokens of every row through the gated delta rule, updating ``ssm_cache`` in place.
 
@@ -135,7 +162,9 @@ def fused_recurrent_gated_delta(
     fp32 ``[>= N, Hv, Dk, Dv]`` buffer, e.g. a CUDA graph's static one) implies ``output_states``: the states are
     written to its first N entries, which are returned. ``pdl``: programmatic dependent launch (None: wherever the
     device has it); then the kernel immediately before this one in the stream must not write ``ssm_cache``,
-    ``slots``, ``decay_rate``, ``dt_bias`` or ``norm_weight``.
+    ``slots``, ``decay_rate``, ``dt_bias`` or ``norm_weight``. ``pending`` (one token per row, no states out, its
+    value split ``value_split``): ``ssm_cache``'s records of pending updates (``pending_state``), which the step
+    replays before its token and appends its update to, storing the state only when the record is full.
     """
     tokens = qkv.shape[0]
     _, value_heads, key_dim, value_dim = ssm_cache.shape
@@ -154,6 +183,12 @@ def fused_recurrent_gated_delta(
     block_dv = value_dim // value_split if value_split >= 1 and value_dim % value_split == 0 else 0
     if block_dv < 1 or block_dv & (block_dv - 1) or key_dim & (key_dim - 1):
         raise ValueError(f"value_split={value_split} must cut Dv={value_dim} (and Dk={key_dim}) into powers of two")
+    if pending is not None and (
+        tokens_per_row != 1 or output_states or states_out is not None or pending.value_split != value_split
+        or pending.keys.shape[:2] != ssm_cache.shape[:2] or pending.keys.shape[3] != key_dim
+    ):
+        raise ValueError("pending updates need one token per row, no states out, the records' value split and "
+                         "records of the cache's slots and heads")
     norm_apart = fuse_norm and value_split > 1  # the norm needs whole heads: a second launch
     out = torch.empty((tokens, value_heads, value_dim), dtype=qkv.dtype, device=qkv.device)
     if states_out is not None:
@@ -175,9 +210,11 @@ def fused_recurrent_gated_delta(
         z if fuse_norm else qkv, z.stride(0) if fuse_norm else 0,
         decay_rate, dt_bias, norm_weight if fuse_norm else decay_rate,
         ssm_cache, slots, out, states if output_states else out,
+        *((pending.keys, pending.deltas, pending.decays, pending.counts) if pending is not None else (out,) * 4),
         tokens_per_row, scale, norm_eps,
         KEY_HEADS=key_heads, VALUE_HEADS=value_heads, DK=key_dim, DV=value_dim, BLOCK_DV=block_dv,
         FUSE_NORM=fuse_norm and not norm_apart, STORE_STATES=output_states, L2EPS=L2_EPS, PDL=pdl,
+        PENDING=0 if pending is None else pending.capacity,
         num_warps=8 if key_dim * block_dv >= 8192 else 4, **launch_options(pdl),
     )
     if norm_apart:

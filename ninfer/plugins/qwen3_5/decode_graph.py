@@ -51,6 +51,7 @@ from ninfer.kernels.triton.norm_gemv import (
     greedy_ids_from_keys,
 )
 from ninfer.kernels.triton.norms import add_rms_norm, silu_mul
+from ninfer.kernels.triton.pending_state import PendingLayer, PendingStateUpdates
 from ninfer.kernels.triton.staging import decode_prologue, stage_inputs
 from ninfer.plugins.qwen3_5.config import FULL_ATTENTION, Qwen35TextConfig
 from ninfer.plugins.qwen3_5.fused import FusedProjections, moe_widths
@@ -229,6 +230,7 @@ class DecodeGraphRunner:
         down_gemv_rows: int = 1,
         out_gemv_rows: int = 1,
         persistent_moe: bool = True,
+        pending_updates: int = 8,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -255,6 +257,11 @@ class DecodeGraphRunner:
         # programs per Gated DeltaNet value head in the decode kernel (> 1: the output norm becomes a second launch;
         # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
         self.gdn_value_split = gdn_value_split
+        # the Gated DeltaNet steps leave up to this many updates of a state pending (``pending_state``) and store it
+        # once every ``pending_updates + 1`` steps (0: every step)
+        if pending_updates < 0:
+            raise ValueError(f"pending_updates must be >= 0, got {pending_updates}")
+        self.pending_updates = pending_updates
         # norms folded into the GEMVs that read them (``norm_gemv``) for batches of at most this many rows (0: never;
         # capped at NORM_GEMV_MAX_ROWS); ``norm_gemv_ffn``: the post-attention norm too. ``accelerate`` chooses it
         # per model from the H200 measurements (docs/performance.md, round 5).
@@ -288,6 +295,7 @@ class DecodeGraphRunner:
         )
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput:
+        updates = self._pending_updates(state)
         rows = batch.num_rows
         width = max(MIN_PAGE_BUCKET, next_power_of_2(batch.page_tables.shape[1]))
         key = (rows, width, _identity(kv, state))
@@ -310,12 +318,27 @@ class DecodeGraphRunner:
             hidden, static_logits = self.step(inputs, kv, state)
             if self.use_graphs:
                 self._graphs[key] = self._capture(rows, width, kv, state)
+        if updates is not None:
+            updates.dirty = True
         if logits is None and batch.logits != "none":
             logits = static_logits.to(torch.float32, copy=True)  # a copy, which the next replay cannot overwrite
         return ForwardOutput(
             logits=None if batch.logits == "none" else logits, hidden=hidden if batch.return_hidden else None,
             greedy_ids=greedy_ids,
         )
+
+    def _pending_updates(self, state: StateCache) -> PendingStateUpdates | None:
+        """``state``'s pending updates (attached on first use), or None where every step stores its states."""
+        if not self.pending_updates or not state.unsettled_ssm():
+            return None
+        if state.pending is None:
+            state.pending = PendingStateUpdates.allocate(
+                state.unsettled_ssm(), self.pending_updates, self.gdn_value_split
+            )
+        updates = state.pending
+        if not isinstance(updates, PendingStateUpdates) or updates.layers[0].value_split != self.gdn_value_split:
+            raise ValueError("the state cache's pending updates are not this decode runner's")
+        return updates
 
     def captured(self, rows: int) -> list[CapturedStep]:
         """The graphs captured so far for batches of ``rows`` rows (any page-table width or cache)."""
@@ -372,6 +395,7 @@ class DecodeGraphRunner:
         attention_index = sum(1 for kind in kinds[:start] if kind == FULL_ATTENTION)
         recurrent_index = start - attention_index
         hidden, pending = carry.hidden, carry.pending
+        updates = self._pending_updates(state)
         fold_norms = hidden.shape[0] <= min(self.norm_gemv_rows, NORM_GEMV_MAX_ROWS)
         for layer, fused, kind in zip(model.layers[start:stop], self.fused[start:stop], kinds[start:stop]):
             recurrent = kind != FULL_ATTENTION
@@ -395,7 +419,8 @@ class DecodeGraphRunner:
             else:
                 pending = self._gated_deltanet(
                     layer.mixer, projected, inputs.state_slots,  # type: ignore[arg-type]
-                    state.conv[recurrent_index], state.ssm[recurrent_index], fold_norms,
+                    state.conv[recurrent_index], state.unsettled_ssm()[recurrent_index], fold_norms,
+                    None if updates is None else updates.layers[recurrent_index],
                 )
                 recurrent_index += 1
             if fold_norms and self.norm_gemv_ffn:
@@ -446,17 +471,18 @@ class DecodeGraphRunner:
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
         fold_norm: bool,
+        updates: PendingLayer | None = None,
     ) -> torch.Tensor:
         """The GDN mixer from its fused input projection; ``fold_norm``: the projection came from ``add_norm_gemv``
         with the conv step inside (its q|k|v columns are the conv's output) and the gated output norm goes inside the
-        out GEMV."""
+        out GEMV; ``updates``: the state's records of pending updates."""
         config = self.config
         qkv, z, b, a = self.gated_deltanet_inputs(projected)
         mixed = qkv if fold_norm else causal_conv1d_update(qkv, weights.conv_weight, conv_cache, slots)
         output_norm = {} if fold_norm else dict(z=z, norm_weight=weights.norm, norm_eps=config.rms_norm_eps)
         core, _ = fused_recurrent_gated_delta(
             mixed, a, b, weights.decay_rate, weights.dt_bias, ssm_cache, slots,
-            key_heads=config.linear_num_key_heads, value_split=self.gdn_value_split, **output_norm,
+            key_heads=config.linear_num_key_heads, value_split=self.gdn_value_split, pending=updates, **output_norm,
         )
         if fold_norm:
             return gated_norm_gemv(core, z, weights.norm, weights.out_proj, config.rms_norm_eps)
@@ -612,5 +638,5 @@ def segment_bounds(layers: int, segments: int) -> list[tuple[int, int]]:
 
 def _identity(kv: KVCache, state: StateCache) -> tuple[int, ...]:
     """The cache storage a captured graph is bound to (caches are allocated whole, so the ends identify them)."""
-    ends = [t[i].data_ptr() for t in (kv.key, kv.value, state.conv, state.ssm) if t for i in (0, -1)]
+    ends = [t[i].data_ptr() for t in (kv.key, kv.value, state.conv, state.unsettled_ssm()) if t for i in (0, -1)]
     return (kv.page_size, *ends)
