@@ -45,12 +45,13 @@ class PendingLayer:
 def replay_pending(state, keys_ptr, deltas_ptr, decays_ptr, count, dk, dv, CAPACITY: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr):
     """``state`` (a ``[DK, block]`` tile at value columns ``dv``) after the first ``count`` of its head's records:
-    the same products, in the same order, as the decode steps that left them."""
+    the same products, in the same order, as the decode steps that left them. Every record is loaded (the ones past
+    ``count`` are finite leftovers, or zeros) and the count only selects, so no load waits for it."""
     for j in tl.static_range(CAPACITY):
         live = j < count
-        decay = tl.load(decays_ptr + j, mask=live, other=1.0)
-        key = tl.load(keys_ptr + j * DK + dk, mask=live, other=0.0)
-        delta = tl.load(deltas_ptr + j * DV + dv, mask=live, other=0.0)
+        decay = tl.where(live, tl.load(decays_ptr + j), 1.0)
+        key = tl.where(live, tl.load(keys_ptr + j * DK + dk), 0.0)
+        delta = tl.load(deltas_ptr + j * DV + dv)
         state = state * decay + key[:, None] * delta[None, :]
     return state
 
