@@ -116,10 +116,14 @@ class StateCache:
 
     @property
     def ssm(self) -> list[torch.Tensor]:
-        """The SSM states, every pending update applied."""
+        """The SSM states, every pending update applied (``settle``)."""
+        self.settle()
+        return self._ssm
+
+    def settle(self) -> None:
+        """Apply the pending updates, if any, to the SSM states (for holders of the state tensors themselves)."""
         if self.pending is not None:
             self.pending.settle()
-        return self._ssm
 
     def unsettled_ssm(self) -> list[torch.Tensor]:
         """The SSM states as stored, without settling ``pending``: for the kernels that read and leave its updates."""

@@ -188,6 +188,7 @@ class StateRollback:
     """
 
     def __init__(self, state: StateCache) -> None:
+        self._state = state
         self.destinations = [*state.conv, *state.ssm]
         device = self.destinations[0].device if self.destinations else torch.device("cpu")
         self._kernel = bool(self.destinations) and triton_available(device)
@@ -196,6 +197,7 @@ class StateRollback:
 
     def restore(self, states: CapturedStates, index: int, slot: int) -> None:
         """``state[slot] = states[index]`` for every recurrent layer."""
+        self._state.settle()  # a pending update of the slot must not land on the state put back
         sources = [*states.conv, *states.ssm]
         if not self._kernel:
             for destination, source in zip(self.destinations, sources):

@@ -230,7 +230,7 @@ class DecodeGraphRunner:
         down_gemv_rows: int = 1,
         out_gemv_rows: int = 1,
         persistent_moe: bool = True,
-        pending_updates: int = 8,
+        pending_updates: int = 4,
     ) -> None:
         if not triton_available(model.device):
             raise ValueError(f"the decode runner needs Triton on the model's device ({model.device})")
@@ -258,7 +258,8 @@ class DecodeGraphRunner:
         # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
         self.gdn_value_split = gdn_value_split
         # the Gated DeltaNet steps leave up to this many updates of a state pending (``pending_state``) and store it
-        # once every ``pending_updates + 1`` steps (0: every step)
+        # once every ``pending_updates + 1`` steps (0: every step); 4 measured fastest on the H200 (8: no faster than
+        # storing every step, the replay before the step grows; docs/performance.md round 21)
         if pending_updates < 0:
             raise ValueError(f"pending_updates must be >= 0, got {pending_updates}")
         self.pending_updates = pending_updates
