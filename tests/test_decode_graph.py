@@ -25,6 +25,7 @@ if not triton_available(DEVICE):
     pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
 from ninfer.kernels.triton import moe_persistent  # noqa: E402
+from ninfer.kernels.triton.pending_state import PendingStateUpdates  # noqa: E402
 from ninfer.plugins.qwen3_5.decode_graph import DecodeGraphRunner, segment_bounds  # noqa: E402
 from ninfer.plugins.qwen3_5.fused import fuse_model  # noqa: E402
 
@@ -206,6 +207,17 @@ def test_graph_segments_grow_from_one_layer_and_cover_every_layer_once():
     assert segment_bounds(64, 1) == [(0, 64)]
     assert segment_bounds(4, 4) == [(0, 1), (1, 4)]  # no empty segment
     assert segment_bounds(3, 2) == [(0, 1), (1, 3)]
+
+
+def test_a_runner_refuses_pending_updates_of_another_shape_and_rejects_a_negative_length():
+    reference, model, fused = _runtimes("tiny")
+    caches = Caches(reference, 1)
+    caches.state.pending = PendingStateUpdates.allocate(caches.state.unsettled_ssm(), 2, 4)  # the runner keeps 4
+    with pytest.raises(ValueError, match="not this decode runner's"):
+        DecodeGraphRunner(model, fused, use_graphs=False).forward(caches.batch([0], [[1]]), caches.kv, caches.state)
+    assert not caches.state.pending.dirty
+    with pytest.raises(ValueError, match="pending_updates must be >= 0"):
+        DecodeGraphRunner(model, fused, use_graphs=False, pending_updates=-1)
 
 
 def test_runtime_routes_pure_decode_batches_only():

@@ -116,6 +116,14 @@ class PendingStateUpdates:
             ))
         return cls(states=list(states), layers=layers)
 
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    @property
+    def value_split(self) -> int:
+        return self.layers[0].value_split
+
     def settle(self) -> None:
         """Apply every pending update to its state (launched on the current stream) and empty the records."""
         if not self.dirty:

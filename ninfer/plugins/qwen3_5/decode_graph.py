@@ -337,7 +337,8 @@ class DecodeGraphRunner:
                 state.unsettled_ssm(), self.pending_updates, self.gdn_value_split
             )
         updates = state.pending
-        if not isinstance(updates, PendingStateUpdates) or updates.layers[0].value_split != self.gdn_value_split:
+        shape = (self.pending_updates, self.gdn_value_split)
+        if not isinstance(updates, PendingStateUpdates) or (updates.capacity, updates.value_split) != shape:
             raise ValueError("the state cache's pending updates are not this decode runner's")
         return updates
 
