@@ -135,8 +135,8 @@ def test_fused_decode_matches_reference(preset, grouped_moe_rows, persistent_moe
     # a prefill chunk after decode steps that left state updates pending (row 0: 7 steps, 2 pending) reads them
     chunk = torch.randint(0, vocab, (3,)).tolist()
     expected = reference.forward(caches.batch([0], [chunk]), caches.kv, caches.state)
-    for pending in (ours, graph_caches) if graphs is not None else (ours,):
-        got = reference.forward(pending.batch([0], [chunk]), pending.kv, pending.state)
+    for cached in (ours, graph_caches) if graphs is not None else (ours,):
+        got = reference.forward(cached.batch([0], [chunk]), cached.kv, cached.state)
         assert rel_err(got.logits, expected.logits) < TOL
     for got_ssm, expected_ssm in zip(ours.state.ssm, caches.state.ssm):
         assert rel_err(got_ssm, expected_ssm) < TOL
