@@ -141,11 +141,10 @@ class Qwen35Runtime:
             slots, low, high = _slots_and_token_range(batch.state_slots, batch.token_ids)
         if len(set(slots)) != rows or min(slots) < 0 or max(slots) >= state.num_slots:
             raise ForwardBatchError(f"state_slots {slots} must be distinct slots in [0, {state.num_slots})")
-        if len(kv.key) != len(self.spec.attention_layers) or len(state.unsettled_ssm()) != len(
-            self.spec.recurrent_layers
-        ):
+        state_layers = len(state.unsettled_ssm())  # a count: no need to settle pending updates
+        if len(kv.key) != len(self.spec.attention_layers) or state_layers != len(self.spec.recurrent_layers):
             raise ForwardBatchError(
-                f"caches have {len(kv.key)} KV layers and {len(state.unsettled_ssm())} state layers; this model needs "
+                f"caches have {len(kv.key)} KV layers and {state_layers} state layers; this model needs "
                 f"{len(self.spec.attention_layers)} and {len(self.spec.recurrent_layers)}"
             )
         bad_layers = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
