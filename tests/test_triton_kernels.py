@@ -89,6 +89,22 @@ def test_conv_update_matches_reference_and_leaves_other_slots():
     assert torch.equal(cache[untouched], before[untouched])
 
 
+def _reference_delta_steps(
+    qkv, a, b, decay_rate, dt_bias, states, key_heads, dk, dv, tokens_per_row=1, output_states=False
+):
+    """``(out [tokens, Hv, Dv], final states, per-token states or None)`` by the torch twin, ``tokens_per_row``
+    tokens of each row from ``states`` (one per row)."""
+    tokens, value_heads = a.shape
+    shape = (tokens // tokens_per_row, tokens_per_row)
+    q, k, v = torch.split(qkv.reshape(*shape, -1), [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
+    out, final, per_token = recurrent_gated_delta_rule(
+        q.reshape(*shape, key_heads, dk), k.reshape(*shape, key_heads, dk), v.reshape(*shape, value_heads, dv),
+        (decay_rate * F.softplus(a.float() + dt_bias)).reshape(*shape, value_heads),
+        torch.sigmoid(b.float()).reshape(*shape, value_heads), states, output_states=output_states,
+    )
+    return out.reshape(tokens, value_heads, dv), final, per_token
+
+
 @pytest.mark.parametrize("value_split", [1, 2, 4])  # programs per value head (> 1: the norm is a second launch)
 @pytest.mark.parametrize("tokens_per_row,fuse_norm", [(1, True), (3, True), (3, False), (1, False)])
 def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm, value_split):
@@ -112,15 +128,9 @@ def test_fused_recurrent_gated_delta(tokens_per_row, fuse_norm, value_split):
         z=z if fuse_norm else None, norm_weight=norm_weight if fuse_norm else None, output_states=True,
         value_split=value_split,
     )
-    shaped = qkv.reshape(rows, tokens_per_row, qkv_width)
-    q, k, v = torch.split(shaped, [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-    g = decay_rate * F.softplus(a.float() + dt_bias)
-    ref_out, ref_final, ref_states = recurrent_gated_delta_rule(
-        q.reshape(rows, tokens_per_row, key_heads, dk), k.reshape(rows, tokens_per_row, key_heads, dk),
-        v.reshape(rows, tokens_per_row, value_heads, dv), g.reshape(rows, tokens_per_row, value_heads),
-        torch.sigmoid(b.float()).reshape(rows, tokens_per_row, value_heads), before[slots], output_states=True,
+    ref_out, ref_final, ref_states = _reference_delta_steps(
+        qkv, a, b, decay_rate, dt_bias, before[slots], key_heads, dk, dv, tokens_per_row, output_states=True
     )
-    ref_out = ref_out.reshape(tokens, value_heads, dv)
     if fuse_norm:
         ref_out = gated_rms_norm(ref_out.float(), z.reshape(tokens, value_heads, dv).float(), norm_weight, 1e-6)
     assert out.shape == (tokens, value_heads, dv)
@@ -136,17 +146,6 @@ def _delta_step_inputs(key_heads, value_heads, dk, dv, rows):
     qkv_width = 2 * key_heads * dk + value_heads * dv
     proj = randn(rows, qkv_width + 2 * value_heads)
     return proj[:, :qkv_width], proj[:, qkv_width + value_heads :], proj[:, qkv_width : qkv_width + value_heads]
-
-
-def _reference_delta_step(qkv, a, b, decay_rate, dt_bias, states, key_heads, dk, dv):
-    """``(out [N, Hv, Dv], states after the token)`` by the torch twin, one token per row."""
-    rows, value_heads = a.shape
-    q, k, v = torch.split(qkv[:, None], [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-    out, final, _ = recurrent_gated_delta_rule(
-        q.reshape(rows, 1, key_heads, dk), k.reshape(rows, 1, key_heads, dk), v.reshape(rows, 1, value_heads, dv),
-        (decay_rate * F.softplus(a.float() + dt_bias))[:, None], torch.sigmoid(b.float())[:, None], states,
-    )
-    return out.reshape(rows, value_heads, dv), final
 
 
 @pytest.mark.parametrize("value_split", [1, 4])
@@ -169,7 +168,9 @@ def test_pending_state_updates_give_the_stored_states_outputs_and_settle_into_th
             value_split=value_split, pending=updates.layers[0],
         )
         updates.dirty = True
-        ref_out, ref_states = _reference_delta_step(qkv, a, b, decay_rate, dt_bias, expected[slots], key_heads, dk, dv)
+        ref_out, ref_states, _ = _reference_delta_steps(
+            qkv, a, b, decay_rate, dt_bias, expected[slots], key_heads, dk, dv
+        )
         assert rel_err(out, ref_out) < TOL
         moved = slots[torch.tensor([0, 2])] if stopped else slots
         expected[moved] = ref_states[torch.tensor([0, 2])] if stopped else ref_states
