@@ -363,7 +363,7 @@ def test_cache_markers_map_to_breakpoints_without_changing_the_prompt(echo):
         return {"model": "m", "tools": [{**WEATHER, **({"cache_control": {"type": "ephemeral"}} if marked else {})}],
                 "system": [{"type": "text", "text": "S", **marker}], "messages": history, **request}
 
-    settings = RequestSettings(vision=False, default_max_tokens=64, default_thinking=False, effort_levels=())
+    settings = RequestSettings(vision=False, default_max_tokens=64, default_thinking=False)
     request = parse_messages_request(body(True), settings)
     system, user, assistant, last = request.conversation.messages
     assert system.parts == (TextPart("S", True),) and user.parts == (TextPart("a", True), TextPart("b"))
@@ -401,7 +401,7 @@ REJECTIONS = [
     ("budget_small", {"thinking": {"type": "enabled", "budget_tokens": 512}}, "at least 1024"),
     ("budget_large", {"max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "less than max_tokens"),
     ("display_omitted", {"thinking": {"type": "adaptive", "display": "omitted"}}, "encrypted hidden-reasoning"),
-    ("effort", {"output_config": {"effort": "high"}}, "not supported by the loaded chat template"),
+    ("effort", {"output_config": {"effort": "extreme"}}, "expected one of"),
     ("output_format", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "constrained decoding"),
     ("tool_choice_any", {"tools": [WEATHER], "tool_choice": {"type": "any"}}, "forces a tool call"),
     ("tool_choice_tool", {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}, "forces a tool call"),

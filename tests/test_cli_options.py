@@ -66,6 +66,8 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "no_thinking": False,
     "preserve_thinking": False,
     "tolerant_tool_calls": False,
+    "hosted_tools": "ignore",
+    "strict_effort": False,
     "cors": False,
     "temperature": None,
     "top_p": None,
@@ -122,6 +124,8 @@ ACCEPTED = [
     (["--no-thinking"], "no_thinking", True),
     (["--preserve-thinking"], "preserve_thinking", True),
     (["--tolerant-tool-calls"], "tolerant_tool_calls", True),
+    (["--hosted-tools", "reject"], "hosted_tools", "reject"),
+    (["--strict-effort"], "strict_effort", True),
     (["--cors"], "cors", True),
     (["--temperature", "0"], "temperature", 0.0),
     (["--temperature", "2"], "temperature", 2.0),
@@ -161,6 +165,7 @@ REJECTED = [
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--log-stats-interval-ms", "-1"], "--log-stats-interval-ms"),
     (["--log-level", "verbose"], "--log-level"),
+    (["--hosted-tools", "drop"], "--hosted-tools"),
     (["--device", "-1"], "--device"),
     (["--max-request-mib", "0"], "--max-request-mib"),
     (["--media-cache-mib", "-1"], "--media-cache-mib"),
@@ -240,7 +245,7 @@ def test_tables_cover_every_serve_option():
     files = {"context_cost_presets", "request_log_jsonl"}  # need real paths: their own tests below
     assert {field for _, field, _ in ACCEPTED} == options - files
     switches = {"lm_head_draft", "no_cuda_graph", "no_prefix_reuse", "no_thinking", "preserve_thinking",
-                "tolerant_tool_calls", "cors", "greedy"}
+                "tolerant_tool_calls", "strict_effort", "cors", "greedy"}
     assert {option_flag(name) for name in options - switches - files} <= {flag for _, flag in REJECTED}
 
 

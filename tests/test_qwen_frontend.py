@@ -402,14 +402,44 @@ def test_prefill_requires_thinking_off_and_a_plain_final_assistant(make: Make) -
         assert (caught.value.code, caught.value.param) == ("invalid_prompt", "messages")
 
 
+@pytest.mark.parametrize("effort,tier", [("minimal", "low"), ("low", "low"), ("medium", "medium"), ("high", "xhigh"),
+                                         ("xhigh", "xhigh"), ("max", "xhigh")])
+def test_effort_maps_onto_the_tiered_template(make: Make, effort: str, tier: str) -> None:
+    conv, hf = conversation([user("Hi")], reasoning_effort=effort)
+    prepared = make("qwen3_8").prepare(conv, GenerationOptions())
+    assert prepared.token_ids == official_ids("qwen3_8", hf, None, reasoning_effort=tier, enable_thinking=True)
+    assert (prepared.thinking, prepared.requested_effort, prepared.resolved_effort) == (True, effort, tier)
+
+
+@pytest.mark.parametrize("effort", ["minimal", "low", "high", "max"])
+def test_template_without_tiers_ignores_effort(make: Make, effort: str) -> None:
+    conv, hf = conversation([user("Hi")], reasoning_effort=effort)
+    prepared = make("qwen3_6").prepare(conv, GenerationOptions())
+    assert prepared.token_ids == official_ids("qwen3_6", hf, None, enable_thinking=True)
+    assert (prepared.thinking, prepared.requested_effort, prepared.resolved_effort) == (True, effort, None)
+    off = make("qwen3_6").prepare(conversation([user("Hi")], reasoning_effort=effort, enable_thinking=False)[0],
+                                  GenerationOptions())
+    assert (off.thinking, off.resolved_effort) == (False, "none")  # no conflict: the effort does not select thinking
+
+
+def test_effort_that_does_not_select_thinking_only_picks_the_tier(make: Make) -> None:
+    conv, hf = conversation([user("Hi")], reasoning_effort="high", enable_thinking=False)
+    off = make("qwen3_8").prepare(attrs.evolve(conv, effort_selects_thinking=False), GenerationOptions())
+    assert (off.thinking, off.requested_effort, off.resolved_effort) == (False, "high", "none")
+    on = make("qwen3_8").prepare(attrs.evolve(conv, enable_thinking=None, effort_selects_thinking=False),
+                                 GenerationOptions())
+    assert (on.thinking, on.resolved_effort) == (True, "xhigh")
+
+
 # ---- rejections ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("generation,effort", [("qwen3_6", "low"), ("qwen3_6", "xhigh"), ("qwen3_8", "high"),
                                                ("qwen3_8", "minimal"), ("qwen3_8", "max")])
-def test_effort_not_exposed_by_the_template_is_rejected(make: Make, generation: str, effort: str) -> None:
+def test_effort_not_exposed_by_the_template_is_rejected_with_strict_effort(make: Make, generation: str, effort: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        make(generation).prepare(conversation([user("Hi")], reasoning_effort=effort)[0], GenerationOptions())
+        make(generation, strict_effort=True).prepare(conversation([user("Hi")], reasoning_effort=effort)[0],
+                                                     GenerationOptions())
     assert (caught.value.code, caught.value.param) == ("reasoning_effort_not_supported", "reasoning_effort")
 
 

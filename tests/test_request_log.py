@@ -148,7 +148,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     log_path = tmp / "requests.jsonl"
     args = ["--api-key", API_KEY, "--request-log-jsonl", str(log_path), "--log-stats-interval-ms", "150",
             "--max-concurrency", "1", "--max-pending-requests", "1", "--pending-timeout-ms", "1500",
-            "--no-thinking", "--default-max-tokens", "64"]
+            "--no-thinking", "--default-max-tokens", "64", "--strict-effort"]
     [server] = start_servers(tmp, [(artifact, args, {"NINFER_ECHO_DELAY_MS": "30"})], [ECHO_MODEL])
     exchanges: dict[str, Any] = {}
     try:
@@ -252,7 +252,8 @@ def test_start_records_the_resolved_configuration(scenario):
     assert start["protocol"] == "openai_chat" and start["thinking"] is False
     assert start["output_budget"] == 6 and start["sampler"]["max_tokens"] == 6
     assert start["requested_reasoning_effort"] is None
-    assert start["shape"] == {"stream": False, "messages": 1, "tools": 0, "tool_choice": "auto", "media_items": 0}
+    assert start["shape"] == {"stream": False, "messages": 1, "tools": 0, "tool_choice": "auto", "media_items": 0,
+                              "ignored_tools": []}
     assert start["prompt_tokens"] == plain.body["usage"]["prompt_tokens"]
     streamed = scenario.one(scenario.exchanges["streamed"].request_id, "request_start")
     assert streamed["shape"]["stream"] is True and streamed["output_budget"] == 64  # --default-max-tokens

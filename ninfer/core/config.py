@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical", "off")
 WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32")
+HOSTED_TOOL_POLICIES = ("ignore", "reject")
 AUTO = "auto"
 REDACTED = "<redacted>"
 INT64_MIN = -(2**63)
@@ -341,6 +342,16 @@ class ServeConfig:
     no_thinking: bool = _switch("disable thinking by default (thinking is on by default)")
     preserve_thinking: bool = _switch("preserve closed-turn assistant reasoning by default")
     tolerant_tool_calls: bool = _switch("recover complete Qwen calls with malformed wrapper/suffix output")
+    hosted_tools: str = _option(
+        "ignore",
+        help="Responses tools the server cannot run (web_search and other OpenAI-hosted types): ignore leaves them "
+        "out of the effective tool set, reject fails the request",
+        kind="text",
+        check=_one_of(HOSTED_TOOL_POLICIES),
+        choices=HOSTED_TOOL_POLICIES,
+    )
+    strict_effort: bool = _switch("reject a reasoning effort the loaded template does not expose instead of mapping "
+                                  "it onto the template's tiers")
     cors: bool = _switch("permissive browser CORS headers")
     temperature: float | None = _float(0.0, 2.0, help="process-level temperature override")
     top_p: float | None = _float(0.0, 1.0, low_open=True, help="process-level top-p override")

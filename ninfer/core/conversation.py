@@ -82,7 +82,10 @@ class Message:
 
 @attrs.frozen
 class ToolDefinition:
-    """A client-executed function tool. ``parameters`` is its JSON schema in received member order."""
+    """A client-executed function tool. ``parameters`` is its JSON schema in received member order.
+
+    A ``freeform`` tool (Responses ``custom``) is rendered as a function whose one string parameter is its input.
+    """
 
     name: str
     description: str | None = None
@@ -90,6 +93,7 @@ class ToolDefinition:
     namespace: str | None = None
     namespace_description: str | None = None
     wire_function: Mapping[str, Any] | None = None  # the received function object, member order kept, for rendering
+    freeform: bool = False  # a custom tool: one string parameter "input" carries its raw input
 
     @property
     def key(self) -> tuple[str | None, str]:
@@ -103,6 +107,8 @@ class Conversation:
     ``tool_choice`` is "auto" or "none"; ``allowed_tools`` (namespace, name) pairs filter the callable set
     without changing declaration order. ``continue_final_message`` marks an assistant prefill that generation
     continues instead of opening a new turn. ``None`` thinking options mean "the server/template default".
+    ``effort_selects_thinking`` is the OpenAI reading of an effort (a tier turns thinking on, "none" off); Anthropic's
+    ``output_config.effort`` only shapes thinking that ``thinking`` (or the server default) enables.
     """
 
     messages: tuple[Message, ...]
@@ -115,6 +121,8 @@ class Conversation:
     thinking_budget: int | None = None
     continue_final_message: bool = False
     tools_cache_breakpoint: bool = False  # a tool definition carries an explicit prompt-cache breakpoint
+    effort_selects_thinking: bool = True  # False: the effort only picks the tier of thinking other fields enable
+    ignored_tools: tuple[str, ...] = ()  # hosted tool types left out of the effective set (reported, never rendered)
 
     @property
     def callable_tools(self) -> tuple[ToolDefinition, ...]:

@@ -240,8 +240,7 @@ async def message_frames(generation: Generation, renderer: MessageRenderer) -> A
 def request_settings(context: Any) -> RequestSettings:
     config = context.config
     return RequestSettings(vision=bool(config.vision), default_max_tokens=config.default_max_tokens,
-                           default_thinking=not config.no_thinking,
-                           effort_levels=tuple(context.frontend.capabilities.effort_levels))
+                           default_thinking=not config.no_thinking)
 
 
 class MessagesResource:

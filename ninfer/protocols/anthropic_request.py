@@ -44,7 +44,6 @@ class RequestSettings:
     vision: bool
     default_max_tokens: int
     default_thinking: bool
-    effort_levels: tuple[str, ...]
 
 
 @attrs.frozen
@@ -151,8 +150,9 @@ def parse_thinking(body: Mapping[str, Any], max_tokens: int | None) -> ThinkingC
     return ThinkingChoice(True, budget)
 
 
-def parse_effort(body: Mapping[str, Any], effort_levels: tuple[str, ...]) -> str | None:
-    """``output_config.effort`` checked against the loaded template's effort tiers; other output_config rejected."""
+def parse_effort(body: Mapping[str, Any]) -> str | None:
+    """``output_config.effort`` (the frontend maps it onto the loaded template's tiers); other output_config
+    rejected."""
     config = optional_object(body, "output_config")
     if config is None:
         return None
@@ -160,15 +160,8 @@ def parse_effort(body: Mapping[str, Any], effort_levels: tuple[str, ...]) -> str
         raise unsupported("output_config.format", "structured outputs need constrained decoding, which ninfer does "
                           "not perform")
     effort = optional_str(config, "effort", "output_config.effort")
-    if effort is None:
-        return None
-    if effort not in ANTHROPIC_EFFORTS:
+    if effort is not None and effort not in ANTHROPIC_EFFORTS:
         raise malformed("output_config.effort", f"expected one of {', '.join(ANTHROPIC_EFFORTS)}, got {effort!r}")
-    if effort not in effort_levels:
-        exposed = ", ".join(effort_levels) if effort_levels else "none: the template has no effort tiers"
-        raise InvalidRequestError(
-            f"output_config.effort {effort!r} is not supported by the loaded chat template (supported: {exposed})",
-            param="output_config.effort", code="reasoning_effort_not_supported")
     return effort
 
 
@@ -272,7 +265,7 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
     max_tokens = None if count_only else parse_max_tokens(body)
     effective_max = max_tokens if max_tokens is not None else settings.default_max_tokens
     thinking = parse_thinking(body, None if count_only else effective_max)
-    effort = parse_effort(body, settings.effort_levels)
+    effort = parse_effort(body)
     tools = parse_tools(body)
     tool_choice = parse_tool_choice(body, tools)
     check_execution_features(body)
@@ -290,7 +283,8 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
         tools=tools,
         tool_choice=tool_choice,  # type: ignore[arg-type]
         enable_thinking=thinking.enabled,
-        reasoning_effort=effort if thinking_on else None,  # effort tiers only shape Qwen's thinking
+        reasoning_effort=effort,
+        effort_selects_thinking=False,  # Anthropic effort shapes the thinking that `thinking` enables
         preserve_thinking=preserve,
         thinking_budget=thinking.budget,
         continue_final_message=history.prefill,

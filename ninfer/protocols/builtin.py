@@ -30,7 +30,8 @@ def _mount_anthropic_messages(app: Any, context: Any) -> None:
 @hookimpl
 def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
     return [
-        ProtocolAdapter("health", (Route("GET", "/health"),), "engine readiness", mount=mount_health),
+        ProtocolAdapter("health", (Route("GET", "/health"), Route("GET", "/"), Route("HEAD", "/")),
+                        "engine readiness and the server's identity", mount=mount_health),
         ProtocolAdapter(
             "models", (Route("GET", "/v1/models"), Route("GET", "/v1/models/{model_id}")), "OpenAI model listing", mount=mount_models
         ),

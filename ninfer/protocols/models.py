@@ -1,7 +1,12 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /v1/models/{id}``."""
+"""``GET /health``, ``GET|HEAD /`` (the server's identity), ``GET /v1/models`` and ``GET /v1/models/{id}``.
+
+``/`` answers without authentication, like ``/health``: agent clients probe it for connectivity before their
+first request. It names the server and its readiness only (no model, no configuration).
+"""
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Any
 
 import falcon
@@ -23,6 +28,19 @@ class HealthResource:
         healthy = self.context.engine is not None and self.context.engine.healthy
         resp.status = falcon.HTTP_200 if healthy else falcon.HTTP_503
         resp.media = {"status": "ok" if healthy else "unavailable"}
+
+
+class RootResource:
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    async def on_get(self, req: Any, resp: Any) -> None:
+        healthy = self.context.engine is not None and self.context.engine.healthy
+        resp.media = {"object": "server", "name": "ninfer", "version": version("ninfer"),
+                      "status": "ok" if healthy else "unavailable"}
+
+    async def on_head(self, req: Any, resp: Any) -> None:
+        await self.on_get(req, resp)
 
 
 def model_card(context: Any) -> dict[str, Any]:
@@ -50,6 +68,7 @@ class ModelsResource:
 
 def mount_health(app: Any, context: Any) -> None:
     app.add_route("/health", HealthResource(context))
+    app.add_route("/", RootResource(context))
 
 
 def mount_models(app: Any, context: Any) -> None:

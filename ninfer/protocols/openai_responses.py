@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
 import secrets
 import time
 from typing import Any, AsyncIterator, Mapping
@@ -25,6 +26,7 @@ from typing import Any, AsyncIterator, Mapping
 import falcon
 
 from ninfer.core.engine.request import SessionKey
+from ninfer.core.observability import oplog
 from ninfer.core.errors import InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -45,11 +47,14 @@ from ninfer.protocols.generation import (
 )
 from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
 from ninfer.protocols.openai_chat_messages import malformed, unsupported
-from ninfer.protocols.responses_request import ParentContext, ResponsesRequest, parse_responses_request
+from ninfer.protocols.reasoning_codec import encode_reasoning
+from ninfer.protocols.responses_request import ParentContext, ResponsesRequest, parse_include, parse_responses_request
 from ninfer.protocols.responses_store import ContextSegment, ResponseStore, StoredResponse, items_size
+from ninfer.protocols.responses_tools import FREEFORM_PARAMETER
 
 PROTOCOL = "openai_responses"
 STORE_KEY = "responses.store"
+WARNED_HOSTED_KEY = "responses.warned_hosted_tools"
 MIB = 1024 * 1024
 INPUT_ITEMS_DEFAULT_LIMIT, INPUT_ITEMS_MAX_LIMIT = 20, 100
 #: Frontend error params renamed to the Responses field that carries the same value.
@@ -129,6 +134,7 @@ def response_object(request: ResponsesRequest, *, response_id: str, created_at: 
         "truncation": "disabled",
         "usage": usage,
         "user": body.get("user"),
+        "ignored_tools": list(request.conversation.ignored_tools),
     }
 
 
@@ -140,9 +146,14 @@ class OutputBuilder:
 
     Reasoning and message Items are text Items with one content part; a text Item stays open until another Item
     starts or the output ends. Function calls are added when they start and done when their arguments are final.
+    A call of a freeform tool (``custom_names``) becomes a ``custom_tool_call`` whose ``input`` is the call's one
+    string argument; it streams as one input delta once the call is complete (its JSON argument text is not the
+    input). With ``encrypt_reasoning``, closed reasoning Items carry ``encrypted_content``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, custom_names: frozenset[str] = frozenset(), encrypt_reasoning: bool = False) -> None:
+        self.custom_names = custom_names
+        self.encrypt_reasoning = encrypt_reasoning
         self.items: list[dict[str, Any]] = []
         self._open_text: int | None = None
         self._text: list[str] = []
@@ -207,6 +218,8 @@ class OutputBuilder:
         part = self._part(item["type"], text)
         item["content"] = [part]
         item["status"] = status
+        if item["type"] == "reasoning" and self.encrypt_reasoning:
+            item["encrypted_content"] = encode_reasoning(text)
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
         payload = self._part_ref(index) | {"text": text}
         if item["type"] == "message":
@@ -228,8 +241,12 @@ class OutputBuilder:
 
     def _start_call(self, event: ToolCallStarted, emitted: list[tuple[str, dict[str, Any]]]) -> None:
         self._close_text("completed", emitted)
-        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": event.call_id,
-                                "name": event.name, "arguments": "", "status": "in_progress"}
+        if event.namespace is None and event.name in self.custom_names:
+            item: dict[str, Any] = {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": event.call_id,
+                                    "name": event.name, "input": "", "status": "in_progress"}
+        else:
+            item = {"id": new_id("fc"), "type": "function_call", "call_id": event.call_id, "name": event.name,
+                    "arguments": "", "status": "in_progress"}
         if event.namespace is not None:
             item["namespace"] = event.namespace
         self.items.append(item)
@@ -239,23 +256,38 @@ class OutputBuilder:
         emitted.append(("response.output_item.added", {"output_index": index, "item": copy.deepcopy(item)}))
 
     def _arguments_delta(self, index: int, text: str, emitted: list[tuple[str, dict[str, Any]]]) -> None:
-        if not text:
+        if not text or self.items[index]["type"] == "custom_tool_call":
             return
         self._arguments[index] += text
         emitted.append(("response.function_call_arguments.delta",
                         {"item_id": self.items[index]["id"], "output_index": index, "delta": text}))
 
     def _finish_call(self, index: int, arguments: str, emitted: list[tuple[str, dict[str, Any]]]) -> None:
+        item = self.items[index]
+        if item["type"] == "custom_tool_call":
+            self._finish_custom_call(index, arguments, emitted)
+            return
         sent = self._arguments[index]
         if arguments != sent:
             if not arguments.startswith(sent):
                 raise AssertionError("the decoder's final tool-call arguments contradict its streamed deltas")
             self._arguments_delta(index, arguments[len(sent):], emitted)
-        item = self.items[index]
         item["arguments"] = arguments
         item["status"] = "completed"
         emitted.append(("response.function_call_arguments.done",
                         {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": arguments}))
+        emitted.append(("response.output_item.done", {"output_index": index, "item": copy.deepcopy(item)}))
+
+    def _finish_custom_call(self, index: int, arguments: str, emitted: list[tuple[str, dict[str, Any]]]) -> None:
+        value = json.loads(arguments).get(FREEFORM_PARAMETER, "")
+        raw_input = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        item = self.items[index]
+        item["input"] = raw_input
+        item["status"] = "completed"
+        ref = {"item_id": item["id"], "output_index": index}
+        if raw_input:
+            emitted.append(("response.custom_tool_call_input.delta", ref | {"delta": raw_input}))
+        emitted.append(("response.custom_tool_call_input.done", ref | {"input": raw_input}))
         emitted.append(("response.output_item.done", {"output_index": index, "item": copy.deepcopy(item)}))
 
 
@@ -282,7 +314,8 @@ class ResponseRun:
         self.request = request
         self.response_id = new_id("resp")
         self.created_at = int(time.time())
-        self.builder = OutputBuilder()
+        custom = frozenset(tool.name for tool in request.conversation.tools if tool.freeform)
+        self.builder = OutputBuilder(custom, request.include_encrypted_reasoning)
         self.session = chain_session(request, self.response_id, parent)
         job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream,
                             session=self.session)
@@ -384,12 +417,23 @@ class _Resource:
         def lookup(response_id: str) -> ParentContext:
             record = _store(self.context).get(response_id, param="previous_response_id")
             parents.append(record)
-            return ParentContext(record.context.history(), record.preserve_thinking, record.context)
+            return ParentContext(record.context.history(), record.preserve_thinking, record.context,
+                                 record.context.output_starts())
 
-        request = parse_responses_request(body, model_id=self.context.model_id,
-                                          vision=bool(self.context.config.vision), lookup=lookup,
-                                          count_only=count_only)
+        config = self.context.config
+        request = parse_responses_request(body, model_id=self.context.model_id, vision=bool(config.vision),
+                                          lookup=lookup, count_only=count_only, hosted_tools=config.hosted_tools)
+        self._warn_ignored(request.conversation.ignored_tools)
         return request, parents[-1] if parents else None
+
+    def _warn_ignored(self, kinds: tuple[str, ...]) -> None:
+        """One stderr warning per process and hosted tool type (the type names are a fixed vocabulary)."""
+        warned: set[str] = self.context.state.setdefault(WARNED_HOSTED_KEY, set())
+        for kind in dict.fromkeys(kinds):
+            if kind not in warned:
+                warned.add(kind)
+                oplog.get_logger().warning(f"Responses tool type {kind!r} is hosted by OpenAI and has no executor "
+                                           "here: left out of the effective tools (--hosted-tools ignore)")
 
 
 def _json(resp: Any, body: Any) -> None:
@@ -441,19 +485,28 @@ def _query_flag(req: Any, name: str) -> bool:
     return value is not None and value.lower() not in ("false", "0", "")
 
 
-def _reject_include(req: Any) -> None:
+def _query_include(req: Any) -> bool:
+    """Whether the query's ``include`` asks for encrypted reasoning (other values are rejected)."""
     include = [value for name in ("include", "include[]") for value in (req.get_param_as_list(name) or []) if value]
-    if include:
-        raise unsupported("include", "no optional output data (encrypted reasoning, logprobs, hosted tool results) "
-                          "can be included")
+    return parse_include(include, "include")
+
+
+def with_encrypted_reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a stored Response whose reasoning Items carry ``encrypted_content``."""
+    copied = copy.deepcopy(dict(body))
+    for item in copied["output"]:
+        if item["type"] == "reasoning":
+            item["encrypted_content"] = encode_reasoning("".join(part["text"] for part in item["content"]))
+    return copied
 
 
 class ResponseResource(_Resource):
     async def on_get(self, req: Any, resp: Any, response_id: str) -> None:
         if _query_flag(req, "stream") or req.get_param("starting_after") is not None:
             raise unsupported("stream", "stored Responses are terminal objects; stream recovery is not available")
-        _reject_include(req)
-        _json(resp, _store(self.context).get(response_id).body)
+        include = _query_include(req)
+        body = _store(self.context).get(response_id).body
+        _json(resp, with_encrypted_reasoning(body) if include else body)
 
     async def on_delete(self, req: Any, resp: Any, response_id: str) -> None:
         _store(self.context).delete(response_id)
@@ -462,7 +515,9 @@ class ResponseResource(_Resource):
 
 class InputItemsResource(_Resource):
     async def on_get(self, req: Any, resp: Any, response_id: str) -> None:
-        _reject_include(req)
+        if _query_include(req):
+            raise unsupported("include", "input Items are listed as they were normalized; encrypted reasoning is "
+                              "only added to Response output")
         limit_text = req.get_param("limit")
         try:
             limit = INPUT_ITEMS_DEFAULT_LIMIT if limit_text is None else int(limit_text)

@@ -24,7 +24,8 @@ from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.openai_chat_messages import INVALID_VALUE, VISION_DISABLED, cache_breakpoint, malformed, \
     optional_bool, optional_int, optional_number, optional_object, optional_str, type_name, unsupported
 from ninfer.protocols.openai_chat_request import CACHE_MODES, CACHE_RETENTIONS, check_model
-from ninfer.protocols.responses_tools import parse_tool_choice, parse_tools
+from ninfer.protocols.reasoning_codec import INCLUDE_ENCRYPTED_REASONING, decode_reasoning
+from ninfer.protocols.responses_tools import FREEFORM_PARAMETER, HOSTED_IGNORE, parse_tool_choice, parse_tools
 
 UNKNOWN_PARAMETER = "unknown_parameter"
 INVALID_ASSISTANT_HISTORY = "invalid_assistant_history"
@@ -148,10 +149,15 @@ def _message_item(item: Mapping[str, Any], param: str, vision: bool) -> dict[str
 
 
 def _reasoning_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
+    """A reasoning Item with raw ``reasoning_text`` content, or with only this server's ``encrypted_content``
+    (decoded back into that content)."""
     content = item.get("content")
+    encrypted = optional_str(item, "encrypted_content", f"{param}.encrypted_content")
+    if not content and encrypted is not None:
+        content = [{"type": "reasoning_text", "text": decode_reasoning(encrypted, f"{param}.encrypted_content")}]
     if not content:
-        raise unsupported(f"{param}.content", "reasoning replay needs the raw reasoning_text content; summaries and "
-                          "encrypted reasoning cannot be turned back into the model's thinking")
+        raise unsupported(f"{param}.content", "reasoning replay needs the raw reasoning_text content or this "
+                          "server's encrypted_content; a summary cannot be turned back into the model's thinking")
     if not isinstance(content, list):
         raise malformed(f"{param}.content", f"expected an array of reasoning_text parts, got {type_name(content)}")
     parts = []
@@ -166,7 +172,6 @@ def _reasoning_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
         raise malformed(f"{param}.summary", "expected an array of summary_text parts")
     canonical = {"id": None, "type": "reasoning", "summary": [{"type": "summary_text", "text": entry["text"]}
                                                               for entry in summary], "content": parts}
-    encrypted = optional_str(item, "encrypted_content", f"{param}.encrypted_content")
     if encrypted is not None:
         canonical["encrypted_content"] = encrypted
     return canonical
@@ -224,6 +229,17 @@ def _function_call_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
             "status": "completed"}
 
 
+def _custom_call_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
+    _check_completed(item, param)
+    call_id = _call_id(item, param)
+    names = _name_fields(item, param, required=True)
+    raw_input = item.get("input")
+    if not isinstance(raw_input, str):
+        raise malformed(f"{param}.input", f"expected a string, got {type_name(raw_input)}")
+    return {"id": None, "type": "custom_tool_call", "call_id": call_id, **names, "input": raw_input,
+            "status": "completed"}
+
+
 def _function_output_item(item: Mapping[str, Any], param: str, vision: bool) -> dict[str, Any]:
     _check_completed(item, param)
     call_id = _call_id(item, param)
@@ -243,11 +259,14 @@ def _function_output_item(item: Mapping[str, Any], param: str, vision: bool) -> 
         canonical_output = output
     else:
         raise malformed(f"{param}.output", f"expected a string or an array of content parts, got {type_name(output)}")
-    return {"id": None, "type": "function_call_output", "call_id": call_id, **names, "output": canonical_output,
+    return {"id": None, "type": item["type"], "call_id": call_id, **names, "output": canonical_output,
             "status": "completed"}
 
 
-_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco",
+                "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+CALL_TYPES = ("function_call", "custom_tool_call")
+RESULT_TYPES = ("function_call_output", "custom_tool_call_output")
 
 
 def canonical_item(item: Any, param: str, vision: bool) -> dict[str, Any]:
@@ -261,11 +280,14 @@ def canonical_item(item: Any, param: str, vision: bool) -> dict[str, Any]:
         canonical = _reasoning_item(item, param)
     elif kind == "function_call":
         canonical = _function_call_item(item, param)
-    elif kind == "function_call_output":
+    elif kind == "custom_tool_call":
+        canonical = _custom_call_item(item, param)
+    elif kind in RESULT_TYPES:
         canonical = _function_output_item(item, param, vision)
     elif isinstance(kind, str):
         raise unsupported(f"{param}.type", f"{kind!r} Items cannot be represented; supported Items are message, "
-                          "reasoning, function_call and function_call_output")
+                          "reasoning, function_call, function_call_output, custom_tool_call and "
+                          "custom_tool_call_output")
     else:
         raise malformed(f"{param}.type", "expected an Item type (or a message role)")
     supplied = item.get("id")
@@ -318,7 +340,7 @@ class _AssistantTurn:
     stage: int = 0
 
     def add(self, item: Mapping[str, Any], param: str, historical: bool) -> None:
-        stage = {"reasoning": 1, "message": 2, "function_call": 3}[item["type"]]
+        stage = 3 if item["type"] in CALL_TYPES else {"reasoning": 1, "message": 2}[item["type"]]
         if stage < self.stage or (stage == 1 and self.stage == 1):
             raise _history_error(param, INVALID_ASSISTANT_HISTORY, f"a {item['type']} Item cannot follow the "
                                  "assistant's earlier Items in one turn; the representable order is reasoning -> "
@@ -328,6 +350,9 @@ class _AssistantTurn:
             self.reasoning = "".join(part["text"] for part in item["content"])
         elif stage == 2:
             self.parts.extend(_parts(item["content"], historical))
+        elif item["type"] == "custom_tool_call":
+            self.calls.append(ToolCall(item["call_id"], item["name"], {FREEFORM_PARAMETER: item["input"]},
+                                       item_id=item["id"]))
         else:
             self.calls.append(ToolCall(item["call_id"], item["name"], parse_arguments(item["arguments"], param),
                                        namespace=item.get("namespace"), item_id=item["id"]))
@@ -352,13 +377,13 @@ class _TurnBuilder:
             raise malformed(f"{param}.id", f"duplicate Item id {item['id']!r} in the conversation")
         self.seen_item_ids.add(item["id"])
         kind = item["type"]
-        if kind == "function_call_output":
+        if kind in RESULT_TYPES:
             self._close_turn()
             self.results.append((item, param))
             return
         if kind != "message" or item["role"] == "assistant":
             self._flush_results()
-            if kind == "function_call":
+            if kind in CALL_TYPES:
                 if item["call_id"] in self.seen_call_ids:
                     raise _history_error(f"{param}.call_id", INVALID_TOOL_HISTORY,
                                          f"duplicate call_id {item['call_id']!r}")
@@ -375,6 +400,11 @@ class _TurnBuilder:
         self._close_turn()
         self._flush_results()
         return tuple(self.messages)
+
+    def close_turn(self) -> None:
+        """End the open assistant turn: a stored Response's output is a turn of its own, even when it directly
+        follows the parent's output (a parent that ended reasoning-only, continued without new input)."""
+        self._close_turn()
 
     def _close_turn(self) -> None:
         if self.turn is not None:
@@ -414,10 +444,13 @@ class _TurnBuilder:
 
 
 def conversation_messages(history: Sequence[Mapping[str, Any]], items: Sequence[Mapping[str, Any]],
-                          instructions: str | None) -> tuple[Message, ...]:
-    """The turns of ``history`` (replayed, marked as such in errors) followed by this request's ``items``."""
+                          instructions: str | None, output_starts: frozenset[int] = frozenset()) -> tuple[Message, ...]:
+    """The turns of ``history`` (replayed, marked as such in errors; a stored Response's output, starting at an
+    index of ``output_starts``, opens its own turn) followed by this request's ``items``."""
     builder = _TurnBuilder()
-    for item in history:
+    for index, item in enumerate(history):
+        if index in output_starts:
+            builder.close_turn()
         builder.add(item, "previous_response_id", True)
     for index, item in enumerate(items):
         builder.add(item, f"input[{index}]", False)
@@ -497,6 +530,20 @@ def _check_text_and_truncation(body: Mapping[str, Any]) -> None:
         raise malformed("truncation", f"expected 'disabled' or 'auto', got {truncation!r}")
 
 
+def parse_include(include: Any, param: str) -> bool:
+    """Whether ``include`` asks for ``reasoning.encrypted_content``, the one optional output this server has."""
+    if include is None:
+        return False
+    if not isinstance(include, list):
+        raise malformed(param, f"expected an array, got {type_name(include)}")
+    for index, value in enumerate(include):
+        if value != INCLUDE_ENCRYPTED_REASONING:
+            raise unsupported(f"{param}[{index}]", f"{value!r} cannot be included: only "
+                              f"{INCLUDE_ENCRYPTED_REASONING!r} is available (logprobs and hosted tool results are "
+                              "not produced)")
+    return bool(include)
+
+
 def _check_create_controls(body: Mapping[str, Any]) -> None:
     metadata = optional_object(body, "metadata") or {}
     if len(metadata) > METADATA_MAX_PAIRS:
@@ -517,12 +564,7 @@ def _check_create_controls(body: Mapping[str, Any]) -> None:
         raise malformed("service_tier", f"expected 'auto' or 'default', got {tier!r}")
     if optional_bool(body, "background"):
         raise unsupported("background", "background execution is not available")
-    include = body.get("include")
-    if include is not None and not isinstance(include, list):
-        raise malformed("include", f"expected an array, got {type_name(include)}")
-    if include:
-        raise unsupported("include", "no optional output data (encrypted reasoning, logprobs, hosted tool results) "
-                          "can be included")
+    parse_include(body.get("include"), "include")
     stream_options = optional_object(body, "stream_options") or {}
     _check_nested(stream_options, "stream_options", ("include_obfuscation",))
     optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
@@ -546,6 +588,7 @@ class ParentContext:
     history: tuple[Mapping[str, Any], ...]
     preserve_thinking: bool | None
     segment: Any = None  # the store's ContextSegment, linked as the new segment's parent
+    output_starts: frozenset[int] = frozenset()  # history indices where a stored Response's output begins
 
 
 ParentLookup = Callable[[str], ParentContext]
@@ -564,11 +607,13 @@ class ResponsesRequest:
     instructions: str | None
     stream: bool = False
     store: bool = True
+    include_encrypted_reasoning: bool = False
 
 
 def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: bool, lookup: ParentLookup,
-                            count_only: bool = False) -> ResponsesRequest:
-    """Validate a Create body (or, with ``count_only``, an input-token count body) and build its Conversation."""
+                            count_only: bool = False, hosted_tools: str = HOSTED_IGNORE) -> ResponsesRequest:
+    """Validate a Create body (or, with ``count_only``, an input-token count body) and build its Conversation;
+    ``hosted_tools`` is the ``--hosted-tools`` policy."""
     _check_fields(body, COUNT_FIELDS if count_only else CREATE_FIELDS)
     check_model(body, model_id)
     instructions = optional_str(body, "instructions")
@@ -576,7 +621,7 @@ def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: b
     effort = _reasoning_effort(body)
     preserve = _preserve_thinking(body)
     _check_text_and_truncation(body)
-    tools = parse_tools(body)
+    tools = parse_tools(body, hosted_tools)
     tool_choice, allowed = parse_tool_choice(body, tools)
     items = canonical_input(body.get("input"), vision)
     parent = lookup(previous_id) if previous_id is not None else None
@@ -587,8 +632,9 @@ def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: b
                                   code="missing_required_parameter" if body.get("input") is None else INVALID_VALUE)
     if preserve is None and parent is not None:
         preserve = parent.preserve_thinking
-    conversation = Conversation(messages=conversation_messages(history, items, instructions), tools=tools,
-                                tool_choice=tool_choice, allowed_tools=allowed, reasoning_effort=effort,
+    starts = parent.output_starts if parent is not None else frozenset()
+    conversation = Conversation(messages=conversation_messages(history, items, instructions, starts), tools=tools.tools,
+                                ignored_tools=tools.ignored, tool_choice=tool_choice, allowed_tools=allowed, reasoning_effort=effort,
                                 preserve_thinking=preserve)
     if optional_bool(body, "parallel_tool_calls") is False and conversation.callable_tools:
         raise unsupported("parallel_tool_calls", "limiting the model to one call per turn needs constrained decoding; "
@@ -603,4 +649,5 @@ def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: b
         stream = bool(optional_bool(body, "stream"))
         store = optional_bool(body, "store") is not False
     return ResponsesRequest(body=body, conversation=conversation, options=options, input_items=items, parent=parent,
-                            previous_response_id=previous_id, instructions=instructions, stream=stream, store=store)
+                            previous_response_id=previous_id, instructions=instructions, stream=stream, store=store,
+                            include_encrypted_reasoning=parse_include(body.get("include"), "include"))

@@ -66,6 +66,15 @@ class ContextSegment:
         """Every Item of the chain, oldest first."""
         return tuple(item for segment in reversed(list(self.chain())) for item in segment.items)
 
+    def output_starts(self) -> frozenset[int]:
+        """The :meth:`history` indices where each segment's output Items begin."""
+        starts, offset = set(), 0
+        for segment in reversed(list(self.chain())):
+            if len(segment.items) > segment.input_count:
+                starts.add(offset + segment.input_count)
+            offset += len(segment.items)
+        return frozenset(starts)
+
     def chain_size(self) -> int:
         return sum(segment.size for segment in self.chain())
 

@@ -1,20 +1,41 @@
-"""Responses function tools: direct function definitions, ``namespace`` groups, ``tool_choice``.
+"""Responses tools: direct function definitions, ``namespace`` groups, freeform ``custom`` tools, ``tool_choice``.
 
 Each namespace/function pair is a distinct tool identity (``ToolDefinition.key``), so the same function name may
 appear in different namespaces; the model frontend renders and parses a namespaced tool under its own prompt name.
-Everything ninfer cannot honour is rejected with the field path: strict schemas, required/named choice, hosted,
-MCP and custom tools, deferred loading, output schemas and callers that exclude direct invocation.
+A ``custom`` (freeform) tool is offered to the model as a function with one string parameter, ``input``; its
+grammar is shown to the model but not enforced (there is no constrained decoding). OpenAI-hosted tools
+(:data:`HOSTED_TOOL_TYPES`) have no executor here: under ``--hosted-tools ignore`` (the default) they are left out
+of the effective tool set, never rendered, and reported; under ``reject`` they fail the request. Everything else
+ninfer cannot honour is rejected with the field path: strict schemas, required/named choice, client-executed
+built-in tool types, deferred loading, output schemas and callers that exclude direct invocation.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import attrs
+
 from ninfer.core.conversation import ToolDefinition
 from ninfer.protocols.openai_chat_messages import malformed, optional_bool, optional_list, optional_object, optional_str, \
     type_name, unsupported
 
 NO_CONSTRAINED_DECODING = "ninfer does not constrain decoding"
+#: OpenAI-hosted tool types: the provider runs them, so a local server has no executor.
+HOSTED_TOOL_TYPES = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26", "file_search",
+    "code_interpreter", "image_generation", "mcp", "tool_search",
+})
+HOSTED_IGNORE, HOSTED_REJECT = "ignore", "reject"
+FREEFORM_PARAMETER = "input"
+
+
+@attrs.frozen
+class ParsedTools:
+    """The effective tools in declaration order and the types of the hosted tools left out (in order)."""
+
+    tools: tuple[ToolDefinition, ...]
+    ignored: tuple[str, ...] = ()
 
 
 def _function(tool: Mapping[str, Any], param: str, namespace: str | None,
@@ -44,15 +65,48 @@ def _function(tool: Mapping[str, Any], param: str, namespace: str | None,
                           namespace_description=namespace_description, wire_function=wire)
 
 
+def _custom(tool: Mapping[str, Any], param: str) -> ToolDefinition:
+    """A freeform tool as the function the model sees: one string parameter carrying the raw input."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise malformed(f"{param}.name", "expected a non-empty tool name")
+    description = optional_str(tool, "description", f"{param}.description")
+    input_description = "The tool's raw input text."
+    tool_format = optional_object(tool, "format", f"{param}.format")
+    if tool_format is not None:
+        kind = tool_format.get("type")
+        if kind == "grammar":
+            syntax = optional_str(tool_format, "syntax", f"{param}.format.syntax")
+            definition = tool_format.get("definition")
+            if not isinstance(definition, str) or not definition:
+                raise malformed(f"{param}.format.definition", "expected a non-empty grammar definition")
+            input_description += f" It must match this {syntax or 'grammar'} grammar:\n{definition}"
+        elif kind != "text":
+            raise malformed(f"{param}.format.type", f"expected 'text' or 'grammar', got {kind!r}")
+    parameters = {"type": "object", "properties": {FREEFORM_PARAMETER: {"type": "string",
+                                                                         "description": input_description}},
+                  "required": [FREEFORM_PARAMETER]}
+    wire: dict[str, Any] = {"name": name}
+    if description is not None:
+        wire["description"] = description
+    wire["parameters"] = parameters
+    return ToolDefinition(name, description, parameters, wire_function=wire, freeform=True)
+
+
 def _hosted(kind: Any, param: str) -> Exception:
-    return unsupported(f"{param}.type", f"{kind!r} tools need an executor or a grammar ninfer does not have; only "
-                       "client-executed function tools (direct or in a namespace) are supported")
+    if kind in HOSTED_TOOL_TYPES:
+        return unsupported(f"{param}.type", f"{kind!r} is an OpenAI-hosted tool and this server has no executor for "
+                           "it (start the server with --hosted-tools ignore to leave such tools out)")
+    return unsupported(f"{param}.type", f"{kind!r} tools need an executor or output Items ninfer does not have; only "
+                       "client-executed function tools (direct or in a namespace) and custom tools are supported")
 
 
-def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
-    """The request's tools in declaration order (namespace members in place of their group)."""
+def parse_tools(body: Mapping[str, Any], hosted_tools: str = HOSTED_IGNORE) -> ParsedTools:
+    """The request's tools in declaration order (namespace members in place of their group); ``hosted_tools`` is
+    the ``--hosted-tools`` policy."""
     raw = optional_list(body, "tools")
     tools: list[ToolDefinition] = []
+    ignored: list[str] = []
     for index, tool in enumerate(raw):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
@@ -62,6 +116,11 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
             declared = [(_function(tool, where, None, None), where)]
         elif kind == "namespace":
             declared = _namespace(tool, where)
+        elif kind == "custom":
+            declared = [(_custom(tool, where), where)]
+        elif kind in HOSTED_TOOL_TYPES and hosted_tools == HOSTED_IGNORE:
+            ignored.append(kind)
+            continue
         else:
             raise _hosted(kind, where)
         for definition, param in declared:
@@ -69,7 +128,7 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
                 shown = ".".join(part for part in definition.key if part)
                 raise malformed(f"{param}.name", f"duplicate tool {shown!r}")
             tools.append(definition)
-    return tuple(tools)
+    return ParsedTools(tuple(tools), tuple(ignored))
 
 
 def _namespace(group: Mapping[str, Any], param: str) -> list[tuple[ToolDefinition, str]]:
@@ -91,7 +150,7 @@ def _namespace(group: Mapping[str, Any], param: str) -> list[tuple[ToolDefinitio
     return declared
 
 
-def _allowed_tools(choice: Mapping[str, Any], tools: tuple[ToolDefinition, ...]) -> tuple[tuple[str | None, str], ...]:
+def _allowed_tools(choice: Mapping[str, Any], tools: ParsedTools) -> tuple[tuple[str | None, str], ...]:
     mode = choice.get("mode", "auto")
     if mode == "required":
         raise unsupported("tool_choice.mode", f"forcing a tool call needs constrained decoding; {NO_CONSTRAINED_DECODING}"
@@ -101,12 +160,15 @@ def _allowed_tools(choice: Mapping[str, Any], tools: tuple[ToolDefinition, ...])
     listed = choice.get("tools")
     if not isinstance(listed, list):
         raise malformed("tool_choice.tools", f"expected an array, got {type_name(listed)}")
-    declared = {tool.key for tool in tools}
+    declared = {tool.key for tool in tools.tools}
     allowed: list[tuple[str | None, str]] = []
     for index, entry in enumerate(listed):
         where = f"tool_choice.tools[{index}]"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise unsupported(f"{where}.type", "only function tools can be allowed")
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind in tools.ignored:
+            continue  # an ignored hosted tool: allowing it changes nothing
+        if kind not in ("function", "custom"):
+            raise unsupported(f"{where}.type", "only function and custom tools can be allowed")
         key = (entry.get("namespace"), entry.get("name"))
         if key not in declared:
             shown = ".".join(str(part) for part in key if part)
@@ -115,7 +177,7 @@ def _allowed_tools(choice: Mapping[str, Any], tools: tuple[ToolDefinition, ...])
     return tuple(allowed)
 
 
-def parse_tool_choice(body: Mapping[str, Any], tools: tuple[ToolDefinition, ...]) -> tuple[str, Any]:
+def parse_tool_choice(body: Mapping[str, Any], tools: ParsedTools) -> tuple[str, Any]:
     """``(tool_choice, allowed_tools)`` for the Conversation."""
     choice = body.get("tool_choice")
     if choice is None or choice == "auto":

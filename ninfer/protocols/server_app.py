@@ -17,7 +17,7 @@ from ninfer.core.observability import oplog
 from ninfer.protocols.errors import ANTHROPIC, ErrorReply, protocol_for_path, render_http_error, render_ninfer_error
 from ninfer.protocols.http import DisconnectTracking, RequestTooLargeError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})  # readiness and identity probes answer without a key
 
 
 @attrs.define

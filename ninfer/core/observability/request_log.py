@@ -179,6 +179,7 @@ class RequestShape:
     tools: int
     tool_choice: str
     media_items: int = 0
+    ignored_tools: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -190,6 +191,7 @@ def shape_of(conversation: Any, stream: bool) -> RequestShape:
         messages=len(conversation.messages),
         tools=len(conversation.tools),
         tool_choice=conversation.tool_choice,
+        ignored_tools=tuple(conversation.ignored_tools),
     )
 
 

@@ -1,8 +1,9 @@
 """The Qwen frontend: a normalized Conversation -> prompt token ids, thinking/effort resolution, and the decoder.
 
 Thinking and effort follow the Chat Completions rules (Responses and Anthropic reuse them): ``reasoning_effort``
-"none" turns thinking off, a tier the loaded template exposes selects it, any other OpenAI value is rejected with
-``reasoning_effort_not_supported``; ``enable_thinking`` must agree with the effort; omitted, thinking follows
+"none" turns thinking off, another effort selects thinking at the nearest tier the loaded template exposes (a
+template without tiers ignores it; ``--strict-effort`` rejects an unexposed value with
+``reasoning_effort_not_supported``); ``enable_thinking`` must agree with the effort; omitted, thinking follows
 ``--no-thinking`` and the effort the template's declared default. Capabilities come from the artifact's own
 ``frontend/chat_template.jinja``, never from a model name. Conversation lowering lives in
 :mod:`ninfer.plugins.qwen3_5.prompt`.
@@ -86,25 +87,45 @@ class RenderedPrompt:
     media_items: int
 
 
-def resolve_thinking(conversation: Conversation, capabilities: PromptCapabilities, *,
-                     default_thinking: bool) -> ThinkingMode:
-    """Apply the reasoning_effort / enable_thinking rules (see the module docstring)."""
+def effort_tier(effort: str, levels: tuple[str, ...]) -> str:
+    """The template tier a client effort runs as: the weakest exposed tier at least as strong as the request, else
+    the strongest (so an exposed tier is itself, ``minimal`` the weakest tier, ``high``/``max`` the strongest)."""
+    rank = EFFORT_VOCABULARY.index(effort)
+    stronger = [level for level in levels if EFFORT_VOCABULARY.index(level) >= rank]
+    return stronger[0] if stronger else levels[-1]
+
+
+def resolve_thinking(conversation: Conversation, capabilities: PromptCapabilities, *, default_thinking: bool,
+                     strict_effort: bool = False) -> ThinkingMode:
+    """Apply the reasoning_effort / enable_thinking rules (see the module docstring).
+
+    An effort the template does not expose maps onto its tiers (:func:`effort_tier`); a template without tiers
+    ignores it, so thinking follows the other fields. ``strict_effort`` (``--strict-effort``) rejects such an
+    effort with ``reasoning_effort_not_supported`` instead. An effort that does not select thinking
+    (``Conversation.effort_selects_thinking`` false) only picks the tier of thinking the other fields enable.
+    """
     effort = conversation.reasoning_effort
     effort_thinking: bool | None = None
+    tier: str | None = None
+    levels = capabilities.effort_levels
     if effort is not None:
         if effort == EFFORT_NONE:
             effort_thinking = False
         elif effort in EFFORT_VOCABULARY:
-            if effort not in capabilities.effort_levels:
-                exposed = ", ".join((EFFORT_NONE, *capabilities.effort_levels))
+            if effort not in levels and strict_effort:
+                exposed = ", ".join((EFFORT_NONE, *levels))
                 raise InvalidRequestError(
                     f"reasoning_effort {effort!r} is not supported by the loaded chat template (supported: {exposed})",
                     param="reasoning_effort", code="reasoning_effort_not_supported")
-            effort_thinking = True
+            if levels:
+                tier = effort_tier(effort, levels)
+                effort_thinking = True
         else:
             choices = ", ".join((EFFORT_NONE, *EFFORT_VOCABULARY))
             raise InvalidRequestError(f"reasoning_effort: {effort!r} is not one of {choices}",
                                       param="reasoning_effort")
+        if not conversation.effort_selects_thinking:
+            effort_thinking = None
     requested = conversation.enable_thinking
     if requested is not None and effort_thinking is not None and requested != effort_thinking:
         raise InvalidRequestError(
@@ -118,8 +139,8 @@ def resolve_thinking(conversation: Conversation, capabilities: PromptCapabilitie
         thinking = default_thinking
     if not thinking:
         resolved: str | None = EFFORT_NONE
-    elif capabilities.effort_levels:
-        resolved = effort if effort_thinking else capabilities.default_effort
+    elif levels:
+        resolved = tier if tier is not None else capabilities.default_effort
     else:
         resolved = None
     return ThinkingMode(thinking=thinking, requested_effort=effort, resolved_effort=resolved)
@@ -209,7 +230,8 @@ class QwenFrontend:
 
     def render(self, conversation: Conversation) -> RenderedPrompt:
         """The prompt text of ``conversation`` and the modes it was rendered under."""
-        mode = resolve_thinking(conversation, self.capabilities, default_thinking=not self._config.no_thinking)
+        mode = resolve_thinking(conversation, self.capabilities, default_thinking=not self._config.no_thinking,
+                                strict_effort=self._config.strict_effort)
         preserve = (conversation.preserve_thinking if conversation.preserve_thinking is not None
                     else self._config.preserve_thinking)
         prefill = conversation.continue_final_message
