@@ -277,6 +277,27 @@ def test_tool_call_deltas_stream_name_then_arguments(echo):
     assert payloads[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_call_the_model_writes_inside_unclosed_thinking_is_a_tool_call(echo):
+    """Reasoning ends at the call's opener; the call streams once and never as reasoning or content text."""
+    body = {"model": ECHO_MODEL, "tools": [WEATHER_TOOL, TIME_TOOL],
+            "messages": [{"role": "user", "content": fence(f"Need weather.\n\n{WEATHER_CALL}")}]}
+    aggregate = post(echo, body).json()
+    choice = aggregate["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("Need weather.", None)
+    [call] = choice["message"]["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Paris"})
+    assert usage_tuple(aggregate["usage"])[3] == len(QWEN.encode("Need weather.\n\n"))
+    _, payloads = stream_payloads(echo, body)
+    chunks = payloads[:-1]
+    assert "".join(deltas(chunks, "reasoning_content")) == "Need weather."
+    assert "".join(deltas(chunks, "content")) == ""
+    pieces = [piece for chunk in deltas(chunks, "tool_calls") for piece in chunk]
+    assert [piece["function"]["name"] for piece in pieces if "id" in piece] == ["get_weather"]
+    assert "".join(piece["function"]["arguments"] for piece in pieces) == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_tool_choice_none_and_allowed_tools_limit_structured_calls(echo):
     script = f"x\n</think>\n\n{WEATHER_CALL}"
     messages = [{"role": "user", "content": fence(script)}]

@@ -352,6 +352,41 @@ def test_system_between_tool_results_splits_the_result_turn(make: Make, tokenize
     assert text.endswith("<|im_start|>assistant\n<think>\n")
 
 
+@pytest.mark.parametrize("generation,source", SOURCES)
+def test_chat_completions_system_and_developer_after_turns_render_in_position(make: Make, generation: str,
+                                                                               source: str) -> None:
+    """Through Chat Completions parsing: a developer message after a tool result and a system message after an
+    assistant turn render as system blocks where they were sent; the leading one keeps the template's own block."""
+    from ninfer.protocols.openai_chat_request import parse_chat_request
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    body = {"model": "m", "messages": [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Look it up.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "developer", "content": "Tool results may be stale."},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "system", "content": "  Answer in French from now on.\n"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]}
+    request = parse_chat_request(body, model_id="m", vision=False)
+    prepared = make(generation, source).prepare(request.conversation, request.options)
+    leading = official_render(generation, body["messages"][:2])
+    leading = leading[:leading.index("<|im_end|>\n") + len("<|im_end|>\n")]
+    assert leading.startswith("<|im_start|>system\n") and leading.endswith("You are a weather bot.<|im_end|>\n")
+    expected = (leading + "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                "<|im_start|>assistant\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                "</parameter>\n</function>\n</tool_call><|im_end|>\n"
+                "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+                "<|im_start|>system\nTool results may be stale.<|im_end|>\n"
+                "<|im_start|>assistant\nIt is sunny.<|im_end|>\n"
+                "<|im_start|>system\nAnswer in French from now on.<|im_end|>\n"
+                "<|im_start|>user\nAnd tomorrow?<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\n")
+    assert prepared.token_ids == tuple(QWEN.encode(expected))
+
+
 def test_a_failed_tool_result_is_marked_in_the_prompt(make: Make, tokenizer: Tokenizer) -> None:
     ok, _ = conversation([user("Go"), assistant("", calls=((CALL_WEATHER, "get_weather"),)), tool("call_1", "boom")])
     failed, _ = conversation([user("Go"), assistant("", calls=((CALL_WEATHER, "get_weather"),)),

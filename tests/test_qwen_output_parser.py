@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from ninfer.core.errors import InvalidRequestError
+from ninfer.core.frontend import ParseReport
 from ninfer.plugins.qwen3_5.output_parser import (
     ContentDelta,
     OutputDecoderError,
@@ -201,6 +202,98 @@ def test_tool_call_markup_inside_reasoning_stays_reasoning():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Tool calls inside an unclosed thinking block
+# ---------------------------------------------------------------------------------------------------------------
+
+PARIS_CALL = ("call", "get_weather", None, arguments({"city": "Paris", "days": 3}))
+LONDON_CALL = ("call", "get_weather", None, arguments({"city": "London"}))
+
+REASONING_CALLS = [
+    ("after reasoning", "I need the weather.\n\n" + PARIS, [("reasoning", "I need the weather."), PARIS_CALL]),
+    ("at the start", "\n" + PARIS + "\n", [PARIS_CALL]),
+    ("parallel", "Two cities.\n" + PARIS + "\n" + LONDON, [("reasoning", "Two cities."), PARIS_CALL, LONDON_CALL]),
+    ("after a mentioned marker", "Use <tool_call> markup.\n" + PARIS,
+     [("reasoning", "Use <tool_call> markup."), PARIS_CALL]),
+    ("after a rejected call", "Not " + call("get_time") + " but\n" + LONDON,
+     [("reasoning", "Not " + call("get_time") + " but"), LONDON_CALL]),
+]
+
+
+@pytest.mark.parametrize("tolerant", [False, True])
+@pytest.mark.parametrize("text, expected", [case[1:] for case in REASONING_CALLS],
+                         ids=[case[0] for case in REASONING_CALLS])
+def test_a_complete_call_ending_unclosed_reasoning_is_a_structured_call(text: str, expected: list[tuple],
+                                                                         tolerant: bool):
+    summary, decoder = decode(text, tolerant=tolerant)
+    assert summary == expected
+    calls = sum(item[0] == "call" for item in expected)
+    assert decoder.parse_report == ParseReport(marker_seen=True, calls=calls)
+    assert not decoder.in_reasoning
+
+
+REASONING_TEXT = [
+    ("undeclared tool", "Maybe " + call("get_time", ("zone", "UTC"))),
+    ("truncated", "Maybe " + PARIS[:60]),
+    ("missing </tool_call>", PARIS.removesuffix("</tool_call>")),
+    ("bare marker", "Use <tool_call>"),
+    ("more reasoning after the call", "Like " + PARIS + "\n\nbut first more thought\n\n"),
+    ("closed after the call", "Like " + PARIS + "\n</think>\n\nDone."),
+    ("think close inside a value", "X\n\n" + call("write_file", ("content", "a\n</think>\n\nb"))),
+    ("unmatched nested opener", call("write_file", ("content", "a <parameter=x> b"))),
+    ("standalone closer", call("write_file", ("content", "a\n</parameter>\nb"))),
+    ("duplicate parameter", call("get_weather", ("city", "A"), ("city", "B"))),
+    ("json instead of xml", 'Hm\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'),
+]
+
+
+@pytest.mark.parametrize("tolerant", [False, True])
+@pytest.mark.parametrize("text", [case[1] for case in REASONING_TEXT], ids=[case[0] for case in REASONING_TEXT])
+def test_other_markup_inside_reasoning_stays_reasoning_byte_for_byte(text: str, tolerant: bool):
+    head, closed, tail = text.partition("</think>")
+    expected = [("reasoning", head.strip("\n")), ("content", tail.lstrip("\n") if closed else "")]
+    summary, decoder = decode(text, tolerant=tolerant)
+    assert summary == [item for item in expected if item[1]]
+    assert decoder.parse_report == ParseReport()  # reasoning text is not a tool-call attempt
+    assert decoder.in_reasoning is not closed
+
+
+def test_without_declared_tools_a_call_in_reasoning_stays_reasoning():
+    summary, decoder = decode("Need it.\n" + PARIS, [])
+    assert summary == [("reasoning", "Need it.\n" + PARIS)]
+    assert decoder.parse_report == ParseReport()
+
+
+def test_a_call_in_unclosed_reasoning_is_held_and_released_once_at_the_end():
+    decoder = QwenOutputDecoder(TOOLS, starts_in_reasoning=True)
+    assert decoder.push("Need it.\n") == [ReasoningDelta("Need it.")]
+    assert decoder.push("<tool_") == []
+    assert decoder.push("call>\n<function=get_weather>\n") == []
+    assert decoder.push("<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>") == []
+    assert summarize(decoder.finish()) == [("call", "get_weather", None, arguments({"city": "Paris"}))]
+    assert not decoder.in_reasoning
+
+
+def test_reasoning_releases_a_partial_opener_that_is_not_one():
+    decoder = QwenOutputDecoder(TOOLS, starts_in_reasoning=True)
+    assert decoder.push("Plan <tool_") == [ReasoningDelta("Plan ")]
+    assert decoder.push("box") == [ReasoningDelta("<tool_box")]
+
+
+CALL_TOKENS = [("<tool_call>", 1), ("\n<function=get_weather>\n", 3), ("<parameter=city>\nParis\n</parameter>\n", 5),
+               ("</function>\n</tool_call>", 2)]
+
+
+@pytest.mark.parametrize("suffix, reasoning_tokens", [([], 3), ([("\nActually no.", 3)], 3 + 11 + 3)])
+def test_tokens_of_a_call_in_reasoning_count_as_reasoning_only_if_it_falls_back(suffix: list, reasoning_tokens: int):
+    decoder = QwenOutputDecoder(TOOLS, starts_in_reasoning=True)
+    for text, count in [("Need", 1), (" it.\n\n", 2), *CALL_TOKENS, *suffix]:
+        decoder.push(text, token_count=count)
+    decoder.finish()
+    assert decoder.reasoning_tokens == reasoning_tokens
+    assert decoder.parse_report.calls == (0 if suffix else 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Tool calls
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -266,6 +359,32 @@ def test_nested_balanced_parameter_text_and_markers_are_value_bytes():
              "<parameter=a><parameter=b>deep</parameter></parameter>")
     summary, _ = decode(call("write_file", ("path", "doc.md"), ("content", value)), reasoning=False)
     assert summary == [("call", "write_file", None, arguments({"path": "doc.md", "content": value}))]
+
+
+MARKUP_VALUES = [
+    ("html", '<div class="x">a</div>\n<p>b &amp; c</p>'),
+    ("code fence", "```python\ndef f(x):\n    return f'<tool_call>{x}</tool_call>'\n```"),
+    ("call markup", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                    "</tool_call>"),
+    ("balanced nested parameters", "doc: <parameter=x>\n<b>v</b>\n</parameter> and <parameter=y></parameter>"),
+    ("look-alike tags", "</parameters> <parameter_list> </param> </function> <function=f> </tool_call>"),
+]
+
+
+@pytest.mark.parametrize("tolerant", [False, True])
+@pytest.mark.parametrize("closed", [True, False], ids=["after_reasoning", "in_unclosed_reasoning"])
+@pytest.mark.parametrize("value", [case[1] for case in MARKUP_VALUES], ids=[case[0] for case in MARKUP_VALUES])
+def test_markup_like_values_stream_only_as_arguments(value: str, closed: bool, tolerant: bool):
+    """The value bytes reach the arguments exactly; every delta/chunking invariant is checked by ``decode``."""
+    markup = call("write_file", ("path", "x.md"), ("content", value))
+    if closed:
+        text, lead = "Plan.\n</think>\n\nWriting it.\n\n" + markup, [("reasoning", "Plan."), ("content", "Writing it.\n\n")]
+    else:
+        text, lead = "Plan. Writing it.\n\n" + markup, [("reasoning", "Plan. Writing it.")]
+    summary, decoder = decode(text, tolerant=tolerant)
+    assert summary == [*lead, ("call", "write_file", None, arguments({"path": "x.md", "content": value}))]
+    assert json.loads(summary[-1][3])["content"] == value
+    assert decoder.parse_report == ParseReport(marker_seen=True, calls=1)
 
 
 FALLBACKS = [

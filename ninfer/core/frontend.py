@@ -52,7 +52,8 @@ OutputEvent = Union[ReasoningDelta, ContentDelta, ToolCallStarted, ToolCallArgum
 class ParseReport:
     """Tool-call parse diagnostics for the request log: counters and a stable reason, never values or text.
 
-    ``marker_seen``: a complete ``<tool_call>`` appeared in the content channel. ``calls``: structured calls
+    ``marker_seen``: a complete ``<tool_call>`` appeared in the content channel, or opened structured calls that
+    end an unclosed reasoning block (markup that stays reasoning text is not recorded). ``calls``: structured calls
     returned. ``omitted_empty_arguments`` / ``schema_mismatched_arguments``: counted over returned calls.
     ``fallback_reason``: why markup was first returned as text (``none`` if never).
     """

@@ -4,7 +4,8 @@ It is protocol-neutral: Chat Completions, Responses and Anthropic adapters all r
 The engine feeds committed text deltas (UTF-8 safe, stop strings already removed) with the number of tokens they
 came from; the decoder holds back only what it must:
 
-- reasoning: a trailing run of ``"\\n"`` (it may be the run before ``</think>``) and a partial ``</think>``;
+- reasoning: a trailing run of ``"\\n"`` (it may be the run before ``</think>``), a partial ``</think>`` and (tools
+  declared) a partial ``<tool_call>``; once ``<tool_call>`` is seen, the pending call region until it resolves;
 - content: a suffix that could start ``<tool_call>``; once ``<tool_call>`` is seen (tools declared), the whole
   tool-call region until it resolves (see :class:`~ninfer.plugins.qwen3_5.tool_calls.ToolCallRegionParser`).
 
@@ -12,6 +13,14 @@ Newline rules: the reasoning returned equals ``reasoning.strip("\\n")`` and the 
 which is what the chat template keeps, so replaying ``{reasoning_content, content, tool_calls}`` through the
 template renders the tokens the model produced. There is at most one tool-call region per output: it starts at the
 first ``<tool_call>`` of the content channel and runs to the end; once it resolves, everything after is content.
+
+Calls inside an unclosed ``<think>``: models sometimes emit their tool calls without closing the thinking block. A
+``<tool_call>`` in the reasoning channel (tools declared) therefore opens a pending region that is parsed strictly,
+whatever ``tolerant`` says: it becomes structured calls only if it holds complete calls to declared tools and the
+output ends after them; the reasoning then ends at the opener. Anything else (an undeclared name, malformed or
+incomplete markup, more text after the calls, a ``</think>`` before the region resolves) makes the region reasoning
+text again, byte for byte as if it had never been held, and leaves the parse report untouched: reasoning that merely
+discusses a call is not a tool-call attempt.
 """
 
 from __future__ import annotations
@@ -111,6 +120,9 @@ class QwenOutputDecoder:
         self._content_held = ""         # a partial "<tool_call>" (tools declared, before the region)
         self._marker_tail = ""          # last characters of content, to see the marker when no tools are declared
         self._region: ToolCallRegionParser | None = None
+        self._reasoning_region: ToolCallRegionParser | None = None  # a call region opened inside reasoning
+        self._reasoning_region_text = ""  # its raw text, replayed as reasoning if it falls back
+        self._reasoning_region_tokens = 0  # tokens pushed while it is pending (reasoning tokens if it falls back)
         self._calls_emitted = 0
         self._finished = False
         self._report = ParseReport()
@@ -139,8 +151,9 @@ class QwenOutputDecoder:
     def push(self, text: str, *, token_count: int = 1) -> list[OutputEvent]:
         """Feed the text of ``token_count`` newly committed tokens; returns the events it releases.
 
-        All tokens of a push that starts in the reasoning channel count as reasoning tokens, so push one token's
-        text at a time (or never let a push cross ``</think>``) for exact counts.
+        All tokens of a push that starts in the reasoning channel count as reasoning tokens, except that a push
+        leaving a call region pending there counts toward that region (reasoning again only if it falls back); so
+        push one token's text at a time (or never let a push cross ``</think>`` or ``<tool_call>``) for exact counts.
         """
         if self._finished:
             raise OutputDecoderError("push() after finish(): the output is already complete")
@@ -150,8 +163,11 @@ class QwenOutputDecoder:
             raise OutputDecoderError(f"token_count must be a non-negative integer, got {token_count!r}")
         events: list[OutputEvent] = []
         if self._in_reasoning:
-            self._reasoning_tokens += token_count
             text = self._push_reasoning(text, events)
+            if self._reasoning_region is not None:
+                self._reasoning_region_tokens += token_count
+            else:
+                self._reasoning_tokens += token_count
         if not self._in_reasoning and text:
             self._push_content(text, events)
         return events
@@ -162,6 +178,14 @@ class QwenOutputDecoder:
             raise OutputDecoderError("finish() called twice")
         self._finished = True
         events: list[OutputEvent] = []
+        while self._reasoning_region is not None:
+            outcome = self._reasoning_region.close()
+            if outcome.fallback_reason is FallbackReason.NONE:
+                self._end_reasoning_with_calls(outcome, events)
+                return events
+            rest = self._push_reasoning(self._reasoning_region_fallback(events), events)
+            if rest:
+                self._push_content(rest, events)
         if self._in_reasoning:
             self._emit_reasoning_after_newlines(self._held_partial, events)
         elif self._region is not None and not self._region.resolved:
@@ -176,25 +200,69 @@ class QwenOutputDecoder:
     def _push_reasoning(self, text: str, events: list[OutputEvent]) -> str:
         """Consume reasoning text; returns the text after ``</think>`` (empty while still reasoning).
 
-        What is held is ``"\\n" * self._held_newlines + self._held_partial`` (a partial ``</think>``); the run is
-        kept as a count so that a long run of newlines costs nothing per push.
+        What is held is ``"\\n" * self._held_newlines + self._held_partial`` (a partial marker), or, while a call
+        region is pending, that run plus the region text; the run is kept as a count so that a long run of
+        newlines costs nothing per push.
         """
-        buffer = self._held_partial + text
-        close = buffer.find(THINK_CLOSE)
-        if close >= 0:
-            self._emit_reasoning_after_newlines(buffer[:close].rstrip("\n"), events)
-            self._held_newlines, self._held_partial = 0, ""
-            self._in_reasoning = False
-            return buffer[close + len(THINK_CLOSE):]
-        partial = _partial_suffix(buffer, THINK_CLOSE)
-        body = buffer[:len(buffer) - partial]
+        while True:
+            if self._reasoning_region is not None:
+                if self._feed_reasoning_region(text):
+                    return ""
+                text = self._reasoning_region_fallback(events)
+                continue
+            buffer = self._held_partial + text
+            close = buffer.find(THINK_CLOSE)
+            opener = buffer.find(TOOL_CALL_OPEN) if self._tools else -1
+            if opener >= 0 and (close < 0 or opener < close):
+                self._hold_reasoning(buffer[:opener], "", events)
+                self._reasoning_region = ToolCallRegionParser(self._tools, tolerant=False)
+                text = buffer[opener:]
+                continue
+            if close >= 0:
+                self._emit_reasoning_after_newlines(buffer[:close].rstrip("\n"), events)
+                self._held_newlines, self._held_partial = 0, ""
+                self._in_reasoning = False
+                return buffer[close + len(THINK_CLOSE):]
+            partial = _partial_suffix(buffer, THINK_CLOSE)
+            if self._tools:
+                partial = max(partial, _partial_suffix(buffer, TOOL_CALL_OPEN))
+            self._hold_reasoning(buffer[:len(buffer) - partial], buffer[len(buffer) - partial:], events)
+            return ""
+
+    def _hold_reasoning(self, body: str, partial: str, events: list[OutputEvent]) -> None:
+        """Emit ``body`` up to its trailing newline run, which is added to the held run, and hold ``partial``."""
         visible = body.rstrip("\n")
         if visible:
             self._emit_reasoning_after_newlines(visible, events)
             self._held_newlines = 0
         self._held_newlines += len(body) - len(visible)
-        self._held_partial = buffer[len(buffer) - partial:]
-        return ""
+        self._held_partial = partial
+
+    def _feed_reasoning_region(self, text: str) -> bool:
+        """Feed the pending reasoning call region; True while it is still pending, False once it has fallen back
+        (malformed, or a ``</think>``: it ends reasoning as always)."""
+        assert self._reasoning_region is not None
+        window = self._reasoning_region_text[-(len(THINK_CLOSE) - 1):] + text
+        self._reasoning_region_text += text
+        return THINK_CLOSE not in window and not self._reasoning_region.feed(text).resolved
+
+    def _reasoning_region_fallback(self, events: list[OutputEvent]) -> str:
+        """Return the pending region to reasoning: emit its opener, and return the text after it to rescan."""
+        text = self._reasoning_region_text
+        self._reasoning_region, self._reasoning_region_text = None, ""
+        self._reasoning_tokens += self._reasoning_region_tokens
+        self._reasoning_region_tokens = 0
+        self._emit_reasoning_after_newlines(TOOL_CALL_OPEN, events)
+        self._held_newlines = 0
+        return text[len(TOOL_CALL_OPEN):]
+
+    def _end_reasoning_with_calls(self, outcome: RegionOutcome, events: list[OutputEvent]) -> None:
+        """The output ended with complete calls inside reasoning: the reasoning ends at their opener."""
+        self._reasoning_region, self._reasoning_region_text = None, ""
+        self._in_reasoning = False
+        self._held_newlines = 0
+        self._report = attrs.evolve(self._report, marker_seen=True)
+        self._apply_region(outcome, events)
 
     def _emit_reasoning_after_newlines(self, text: str, events: list[OutputEvent]) -> None:
         """Emit ``text`` preceded by the held newline run (nothing when ``text`` is empty: the run is trailing)."""
