@@ -377,6 +377,170 @@ def test_cache_markers_map_to_breakpoints_without_changing_the_prompt(echo):
         echo, **{k: v for k, v in body(False).items() if k != "model"})
 
 
+# -- context management ----------------------------------------------------------------------------------------
+
+BETAS = ["context-management-2025-06-27"]
+CLEARED = "[Old tool result content cleared]"
+LOOP_ANSWER = "Summing up.\n</think>\n\nOslo is rainy, Rome sunny."
+
+
+def tool_loop_history() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Three thinking tool-use turns after one question, as wire messages and as Hugging Face messages."""
+    calls = [("toolu_a", "get_weather", {"city": "Oslo"}, "rainy, 8 C. " + words(40)),
+             ("toolu_b", "get_time", {"zone": "CET"}, "noon"),
+             ("toolu_c", "get_weather", {"city": "Rome"}, "sunny, 24 C")]
+    wire: list[dict[str, Any]] = [{"role": "user", "content": fence(LOOP_ANSWER)}]
+    hf: list[dict[str, Any]] = [{"role": "user", "content": fence(LOOP_ANSWER)}]
+    for index, (call_id, name, arguments, result) in enumerate(calls):
+        wire += [{"role": "assistant", "content": [
+                     {"type": "thinking", "thinking": f"Step {index}.", "signature": "sig"},
+                     {"type": "tool_use", "id": call_id, "name": name, "input": arguments}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": result}]}]
+        hf += [{"role": "assistant", "content": "", "reasoning_content": f"Step {index}.",
+                "tool_calls": [{"function": {"name": name, "arguments": arguments}}]},
+               {"role": "tool", "content": result}]
+    return wire, hf
+
+
+LOOP_EDITS = {"edits": [
+    {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+    {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+     "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["get_time"], "clear_tool_inputs": True}]}
+
+
+def test_context_editing_clears_old_thinking_and_tool_results_and_reports_it(echo):
+    wire, hf = tool_loop_history()
+    tools, hf_tools = [WEATHER, TIME], [HF_WEATHER, HF_TIME]
+    original = official_prompt_tokens("qwen3_8", hf, hf_tools, **THINKING_ON)
+    # clear_thinking keeps the last thinking turn: steps 0 and 1 lose their reasoning
+    thinned = [{k: v for k, v in m.items() if k != "reasoning_content"} if i in (1, 3) else m
+               for i, m in enumerate(hf)]
+    after_thinking = official_prompt_tokens("qwen3_8", thinned, hf_tools, **THINKING_ON)
+    # 3 tool uses > 2 fires; the last one (Rome) is kept, get_time is excluded: only Oslo's result and input go
+    cleared = [*thinned]
+    cleared[1] = {**thinned[1], "tool_calls": [{"function": {"name": "get_weather", "arguments": {}}}]}
+    cleared[2] = {"role": "tool", "content": CLEARED}
+    edited = official_prompt_tokens("qwen3_8", cleared, hf_tools, **THINKING_ON)
+    assert original > after_thinking > edited
+    applied = [{"type": "clear_thinking_20251015", "cleared_thinking_turns": 2,
+                "cleared_input_tokens": original - after_thinking},
+               {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 1,
+                "cleared_input_tokens": after_thinking - edited}]
+
+    beta = client(echo).beta.messages
+    counted = beta.count_tokens(model="local", tools=tools, messages=wire, context_management=LOOP_EDITS, betas=BETAS)
+    assert counted.input_tokens == edited and counted.context_management.original_input_tokens == original
+    assert count(echo, tools=tools, messages=wire) == original  # without context_management nothing changes
+
+    reply = beta.create(model="local", max_tokens=100, tools=tools, messages=wire, context_management=LOOP_EDITS,
+                        betas=BETAS)
+    assert [block.type for block in reply.content] == ["thinking", "text"]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == edited
+    assert [edit.to_dict() for edit in reply.context_management.applied_edits] == applied
+    raw = post(echo, {"model": "local", "max_tokens": 100, "tools": tools, "messages": wire,
+                      "context_management": LOOP_EDITS}).json()
+    assert raw["context_management"] == {"applied_edits": applied}
+
+    events = sse_events(echo, {"model": "local", "max_tokens": 100, "tools": tools, "messages": wire,
+                               "context_management": LOOP_EDITS}, path="/v1/messages?beta=true")
+    (start,) = [payload for name, payload in events if name == "message_start"]
+    (delta,) = [payload for name, payload in events if name == "message_delta"]
+    assert "context_management" not in start["message"]  # the final message_delta carries it
+    assert delta["context_management"] == {"applied_edits": applied}
+    with beta.stream(model="local", max_tokens=100, tools=tools, messages=wire, context_management=LOOP_EDITS,
+                     betas=BETAS) as stream:
+        final = stream.get_final_message()
+    assert [edit.to_dict() for edit in final.context_management.applied_edits] == applied
+
+
+def test_clear_thinking_applies_under_preserve_thinking_and_is_reported_without_it(echo):
+    long_reasoning = "R1 " + words(20)
+    history = [{"role": "user", "content": "Q1"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": long_reasoning, "signature": "s"},
+                                                 {"type": "text", "text": "A1"}]},
+               {"role": "user", "content": "Q2"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "R2", "signature": "s"},
+                                                 {"type": "text", "text": "A2"}]},
+               {"role": "user", "content": "Q3"}]
+    hf = [{"role": "user", "content": "Q1"},
+          {"role": "assistant", "content": "A1", "reasoning_content": long_reasoning},
+          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"},
+          {"role": "user", "content": "Q3"}]
+    keep_one = {"edits": [{"type": "clear_thinking_20251015"}]}  # default keep: the last thinking turn
+    beta = client(echo).beta.messages
+    preserved = beta.count_tokens(model="local", messages=history, context_management=keep_one, betas=BETAS,
+                                  extra_body={"preserve_thinking": True})
+    without_r1 = [hf[0], {"role": "assistant", "content": "A1"}, *hf[2:]]
+    assert preserved.input_tokens == official_prompt_tokens("qwen3_8", without_r1, enable_thinking=True,
+                                                            preserve_thinking=True)
+    assert preserved.context_management.original_input_tokens == official_prompt_tokens(
+        "qwen3_8", hf, enable_thinking=True, preserve_thinking=True)
+    # without preserve_thinking the template drops closed-turn reasoning itself: the turn is cleared, 0 tokens saved
+    reply = beta.create(model="local", max_tokens=8, messages=history, context_management=keep_one, betas=BETAS)
+    assert [edit.to_dict() for edit in reply.context_management.applied_edits] == [
+        {"type": "clear_thinking_20251015", "cleared_thinking_turns": 1, "cleared_input_tokens": 0}]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == official_prompt_tokens(
+        "qwen3_8", hf, **THINKING_ON)
+
+
+def test_claude_code_default_keep_all_and_unmet_thresholds_change_nothing(echo):
+    wire, hf = tool_loop_history()
+    tools = [WEATHER, TIME]
+    original = official_prompt_tokens("qwen3_8", hf, [HF_WEATHER, HF_TIME], **THINKING_ON)
+    beta = client(echo).beta.messages
+    claude_code = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    unmet = {"edits": [{"type": "clear_tool_uses_20250919",  # the prompt does not exceed the trigger
+                        "trigger": {"type": "input_tokens", "value": original}}]}
+    huge_minimum = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1},
+                               "keep": {"type": "tool_uses", "value": 0},
+                               "clear_at_least": {"type": "input_tokens", "value": original}}]}
+    for config in (claude_code, unmet, huge_minimum):
+        counted = beta.count_tokens(model="local", tools=tools, messages=wire, context_management=config,
+                                    betas=BETAS)
+        assert (counted.input_tokens, counted.context_management.original_input_tokens) == (original, original)
+    reply = beta.create(model="local", max_tokens=100, tools=tools, messages=wire, context_management=claude_code,
+                        betas=BETAS)
+    assert reply.context_management.applied_edits == []
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == original
+    exceeded = {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 2},
+                           "trigger": {"type": "input_tokens", "value": original - 1}}]}
+    hf_cleared = [*hf[:2], {"role": "tool", "content": CLEARED}, *hf[3:]]
+    counted = beta.count_tokens(model="local", tools=tools, messages=wire, context_management=exceeded, betas=BETAS)
+    assert counted.input_tokens == official_prompt_tokens("qwen3_8", hf_cleared, [HF_WEATHER, HF_TIME],
+                                                          **THINKING_ON)
+    assert counted.context_management.original_input_tokens == original
+
+
+CONTEXT_REJECTIONS = [
+    # (id, context_management, extra fields, the field path the message starts with)
+    ("unknown_type", {"edits": [{"type": "clear_everything_20990101"}]}, {}, "context_management.edits.0.type"),
+    ("compaction", {"edits": [{"type": "compact_20260112"}]}, {}, "context_management.edits.0.type"),
+    ("keep_type", {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "thinking_turns", "value": 1}}]},
+     {}, "context_management.edits.0.keep.type"),
+    ("negative_trigger", {"edits": [{"type": "clear_tool_uses_20250919",
+                                     "trigger": {"type": "tool_uses", "value": -1}}]}, {},
+     "context_management.edits.0.trigger.value"),
+    ("zero_thinking_turns", {"edits": [{"type": "clear_thinking_20251015",
+                                        "keep": {"type": "thinking_turns", "value": 0}}]}, {},
+     "context_management.edits.0.keep.value"),
+    ("thinking_second", {"edits": [{"type": "clear_tool_uses_20250919"}, {"type": "clear_thinking_20251015"}]}, {},
+     "context_management.edits.1.type"),
+    ("thinking_disabled", {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, {"thinking": OFF},
+     "context_management.edits.0.type"),
+]
+
+
+@pytest.mark.parametrize(("config", "fields", "field"), [r[1:] for r in CONTEXT_REJECTIONS],
+                         ids=[r[0] for r in CONTEXT_REJECTIONS])
+def test_context_management_rejections_name_the_field(echo, config, fields, field):
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        response = post(echo, {"model": "local", "max_tokens": 16, "messages": USER, "context_management": config,
+                               **fields}, path=path)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(field), error
+
+
 # -- rejections --------------------------------------------------------------------------------------------------
 
 USER = [{"role": "user", "content": "hi"}]

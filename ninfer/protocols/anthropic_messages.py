@@ -4,7 +4,9 @@ Both the aggregate and the stream are built by one :class:`BlockAssembler` from 
 the streamed blocks always reassemble into the aggregate content. A stream commits (``message_start``, whose usage
 split is exact) only after admission, so admission failures (529 overload, 504 queue timeout) stay HTTP errors.
 Thinking blocks carry an opaque compatibility signature derived from their text; ``signature_delta`` precedes
-their ``content_block_stop``. A block only ever receives deltas of its own kind.
+their ``content_block_stop``. A block only ever receives deltas of its own kind. A request's ``context_management``
+edits (:mod:`ninfer.protocols.anthropic_context`) are applied before generation and reported on the message and the
+final ``message_delta``; count_tokens counts the edited prompt and reports the original count.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import base64
 import hashlib
 import json
 import secrets
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import falcon
 
+from ninfer.core.conversation import Conversation
 from ninfer.core.errors import NinferError, NotYetAvailableError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -27,6 +30,7 @@ from ninfer.core.frontend import (
     ToolCallFinished,
     ToolCallStarted,
 )
+from ninfer.protocols.anthropic_context import EditedConversation, apply_context_management
 from ninfer.protocols.anthropic_request import MessagesRequest, RequestSettings, parse_messages_request
 from ninfer.protocols.errors import ANTHROPIC, render_ninfer_error
 from ninfer.protocols.generation import (
@@ -171,9 +175,10 @@ class BlockAssembler:
 class MessageRenderer:
     """The message object of one response and its start / delta / stop events."""
 
-    def __init__(self, request: MessagesRequest, max_tokens: int) -> None:
+    def __init__(self, request: MessagesRequest, max_tokens: int, edited: EditedConversation | None = None) -> None:
         self.request = request
         self.max_tokens = max_tokens
+        self.context_management = None if edited is None else edited.response_field()
         self.id = message_id()
         self.assembler = BlockAssembler()
 
@@ -190,12 +195,15 @@ class MessageRenderer:
         return usage_object(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens,
                             result.reasoning_tokens)
 
+    def _edits(self) -> dict[str, Any]:
+        return {} if self.context_management is None else {"context_management": self.context_management}
+
     def finish(self, result: GenerationResult) -> list[Event]:
         stop_reason, stop_sequence = stop_fields(result, self.max_tokens)
         return [*self.assembler.close(),
                 ("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                   "usage": self.usage(result)}),
+                                   "usage": self.usage(result), **self._edits()}),
                 ("message_stop", {"type": "message_stop"})]
 
     def message(self, result: GenerationResult) -> dict[str, Any]:
@@ -203,7 +211,7 @@ class MessageRenderer:
         self.assembler.close()
         stop_reason, stop_sequence = stop_fields(result, self.max_tokens)
         return {**self._shell(), "content": self.assembler.blocks, "stop_reason": stop_reason,
-                "stop_sequence": stop_sequence, "usage": self.usage(result)}
+                "stop_sequence": stop_sequence, "usage": self.usage(result), **self._edits()}
 
 
 def _frame(event: Event) -> bytes:
@@ -237,6 +245,21 @@ async def message_frames(generation: Generation, renderer: MessageRenderer) -> A
         yield _frame(event)
 
 
+def token_counter(context: Any) -> Callable[[Conversation], int]:
+    count = getattr(context.frontend, "count_tokens", None)
+    if count is None:
+        raise NotYetAvailableError("token counting is not yet available for this model family's frontend")
+    return count
+
+
+async def edit_context(context: Any, request: MessagesRequest) -> EditedConversation | None:
+    """The request's ``context_management`` edits applied (None when it sent none); counts in a worker thread."""
+    if request.context_management is None:
+        return None
+    return await asyncio.to_thread(apply_context_management, request.conversation, request.context_management,
+                                   token_counter(context))
+
+
 def request_settings(context: Any) -> RequestSettings:
     config = context.config
     return RequestSettings(vision=bool(config.vision), default_max_tokens=config.default_max_tokens,
@@ -252,9 +275,11 @@ class MessagesResource:
         body = await read_json_object(req, self.max_body_bytes)
         request = parse_messages_request(body, request_settings(self.context))
         max_tokens = request.options.max_tokens or self.context.config.default_max_tokens
-        job = GenerationJob(PROTOCOL, request.conversation, request.options, stream=request.stream)
+        edited = await edit_context(self.context, request)
+        conversation = request.conversation if edited is None else edited.conversation
+        job = GenerationJob(PROTOCOL, conversation, request.options, stream=request.stream)
         generation = Generation(self.context, job, req.context.request_id)
-        renderer = MessageRenderer(request, max_tokens)
+        renderer = MessageRenderer(request, max_tokens, edited)
         if request.stream:
             await self._stream(req, resp, generation, renderer)
             return
@@ -292,13 +317,19 @@ class CountTokensResource:
     async def on_post(self, req: Any, resp: Any) -> None:
         body = await read_json_object(req, self.max_body_bytes)
         request = parse_messages_request(body, request_settings(self.context), count_only=True)
-        count = getattr(self.context.frontend, "count_tokens", None)
-        if count is None:
-            raise NotYetAvailableError("token counting is not yet available for this model family's frontend")
-        tokens = await asyncio.to_thread(count, request.conversation)
+        count = token_counter(self.context)
+        edited = await edit_context(self.context, request)
+        if edited is None:
+            payload: dict[str, Any] = {"input_tokens": await asyncio.to_thread(count, request.conversation)}
+        else:
+            tokens = edited.tokens
+            if tokens is None:  # no edit needed a count, so none cleared anything
+                tokens = await asyncio.to_thread(count, edited.conversation)
+            original = edited.original_tokens if edited.original_tokens is not None else tokens
+            payload = {"input_tokens": tokens, "context_management": {"original_input_tokens": original}}
         resp.status = falcon.HTTP_200
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = json_bytes({"input_tokens": tokens})
+        resp.data = json_bytes(payload)
 
 
 def mount_anthropic_messages(app: Any, context: Any) -> None:

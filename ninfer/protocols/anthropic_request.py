@@ -1,9 +1,10 @@
 """Anthropic Messages request validation and lowering: wire JSON -> :class:`Conversation` + :class:`GenerationOptions`.
 
 Top-level fields (model label, limits, sampling, thinking, effort, tools, tool choice, cache markers) are checked
-here; the ordered ``system``/``messages`` history is lowered by :mod:`ninfer.protocols.anthropic_history`. Every
-problem is a field-specific :class:`InvalidRequestError` (rendered in Anthropic's error shape by the server);
-features whose constraint or executor ninfer does not have are rejected naming the missing capability.
+here, ``context_management`` by :mod:`ninfer.protocols.anthropic_context`; the ordered ``system``/``messages``
+history is lowered by :mod:`ninfer.protocols.anthropic_history`. Every problem is a field-specific
+:class:`InvalidRequestError` (rendered in Anthropic's error shape by the server); features whose constraint or
+executor ninfer does not have are rejected naming the missing capability.
 Advisory fields (metadata, service tier, inference geography, speed, diagnostics) and unknown fields are ignored.
 """
 
@@ -15,6 +16,7 @@ import attrs
 
 from ninfer.core.conversation import Conversation, GenerationOptions, ToolDefinition
 from ninfer.core.errors import InvalidRequestError
+from ninfer.protocols.anthropic_context import ContextManagement, parse_context_management
 from ninfer.protocols.anthropic_history import CachePlan, lower_history, plan_cache
 from ninfer.protocols.openai_chat_messages import (
     malformed,
@@ -52,7 +54,8 @@ class MessagesRequest:
 
     ``model`` is the client's label, echoed back. ``cache_breakpoints`` are the accepted distinct breakpoints
     (block-level plus a request-level one that did not merge), of which those in representable positions are
-    marked on the conversation's parts.
+    marked on the conversation's parts. ``context_management`` (None when the request sent none) is applied to the
+    conversation by :func:`ninfer.protocols.anthropic_context.apply_context_management`, which needs token counts.
     """
 
     model: str
@@ -60,6 +63,7 @@ class MessagesRequest:
     options: GenerationOptions
     stream: bool = False
     cache_breakpoints: int = 0
+    context_management: ContextManagement | None = None
 
 
 # -- top-level scalars -----------------------------------------------------------------------------
@@ -246,9 +250,6 @@ def check_execution_features(body: Mapping[str, Any]) -> None:
         raise unsupported("mcp_servers", f"{NO_EXECUTOR} remote MCP servers")
     if body.get("container") is not None:
         raise unsupported("container", "code-execution containers are not available")
-    if body.get("context_management") is not None:
-        raise unsupported("context_management", "server-side context editing would change the prompt outside the "
-                          "client's history")
     if body.get("output_format") is not None:
         raise unsupported("output_format", "structured outputs need constrained decoding, which ninfer does not "
                           "perform")
@@ -277,6 +278,8 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
                  "thinking: {\"type\": \"disabled\"})"
         raise InvalidRequestError(f"messages: an assistant prefill cannot be continued while thinking is on: {source}",
                                   param="messages", code="invalid_prompt")
+    context = parse_context_management(body, thinking_on=thinking_on, thinking_source="the request disables it"
+                                       if thinking.enabled is False else "thinking is off by server default")
     preserve = optional_bool(body, "preserve_thinking")
     conversation = Conversation(
         messages=history.messages,
@@ -292,4 +295,4 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
     )
     options = GenerationOptions() if count_only else parse_sampling(body, max_tokens)
     stream = False if count_only else bool(optional_bool(body, "stream"))
-    return MessagesRequest(model, conversation, options, stream, plan.breakpoints)
+    return MessagesRequest(model, conversation, options, stream, plan.breakpoints, context)
