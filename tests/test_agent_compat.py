@@ -246,9 +246,10 @@ def test_request_start_records_requested_and_resolved_effort(servers):
 # -- connectivity probes ------------------------------------------------------------------------------------------
 
 
-def test_root_answers_probes_without_a_key(echo):
-    head = httpx.head(echo.url("/"), timeout=10)
-    got = httpx.get(echo.url("/"), timeout=10)
+@pytest.mark.parametrize("path", ["/", "/api/hello"])
+def test_probes_answer_without_a_key(echo, path):
+    head = httpx.head(echo.url(path), timeout=10)
+    got = httpx.get(echo.url(path), timeout=10)
     assert head.status_code == 200 and got.status_code == 200
     assert got.json()["name"] == "ninfer" and got.json()["status"] == "ok"
     assert httpx.get(echo.url("/v1/models"), timeout=10).status_code == 401  # everything else still needs the key
@@ -271,3 +272,51 @@ def test_chain_continues_after_a_reasoning_only_parent(echo):
           {"role": "assistant", "content": "Second.", "reasoning_content": "More thought."},
           {"role": "user", "content": "Thanks."}]
     assert followup.usage.input_tokens == official_prompt_tokens("qwen3_6", hf)
+
+
+# -- Anthropic: thinking display "omitted", deferred tools --------------------------------------------------------
+
+
+def test_omitted_thinking_is_restored_from_its_signature(echo):
+    client = anthropic.Anthropic(base_url=echo.base_url, api_key=API_KEY, max_retries=0)
+    user = {"role": "user", "content": fence(SCRIPT)}
+    reply = client.messages.create(model="m", max_tokens=64, messages=[user],
+                                   thinking={"type": "adaptive", "display": "omitted"})
+    thinking, text = reply.content
+    assert (thinking.type, thinking.thinking, text.text) == ("thinking", "", ANSWER)
+    assert thinking.signature == expected_encoding(REASONING)
+    with client.messages.stream(model="m", max_tokens=64, messages=[user],
+                                thinking={"type": "adaptive", "display": "omitted"}) as stream:
+        events = list(stream)
+    deltas = [event.delta.type for event in events if event.type == "content_block_delta"]
+    assert "thinking_delta" not in deltas and "signature_delta" in deltas
+    history = [user, {"role": "assistant", "content": [thinking.model_dump(), {"type": "text", "text": ANSWER}]},
+               {"role": "user", "content": "Next?"}]
+    visible = [user, {"role": "assistant", "content": [{"type": "thinking", "thinking": REASONING, "signature": "x"},
+                                                       {"type": "text", "text": ANSWER}]}, history[2]]
+    hf = [{"role": "user", "content": fence(SCRIPT)},
+          {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}, {"role": "user", "content": "Next?"}]
+    counted = [client.messages.count_tokens(model="m", messages=messages, extra_body={"preserve_thinking": True})
+               .input_tokens for messages in (history, visible)]
+    assert counted == [official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)] * 2
+    forged = [user, {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "forged"},
+                                                      {"type": "text", "text": ANSWER}]}, history[2]]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.1\.0\.signature"):
+        client.messages.count_tokens(model="m", messages=forged)
+
+
+def test_deferred_tools_are_not_shown_to_the_model(echo):
+    client = anthropic.Anthropic(base_url=echo.base_url, api_key=API_KEY, max_retries=0)
+    bash = {"name": "Bash", "description": "Run a command", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+    deferred = {"name": "Later", "description": "Loaded on demand", "input_schema": {"type": "object"},
+                "defer_loading": True}
+    messages = [{"role": "user", "content": "Hi"}]
+    with_deferred = client.messages.count_tokens(model="m", messages=messages, tools=[bash, deferred]).input_tokens
+    assert with_deferred == client.messages.count_tokens(model="m", messages=messages, tools=[bash]).input_tokens
+    reference = [*messages, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                                                "input": {"command": "ls"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                               "content": [{"type": "tool_reference", "tool_name": "Later"}]}]}]
+    with pytest.raises(anthropic.BadRequestError, match="tool search"):
+        client.messages.count_tokens(model="m", messages=reference, tools=[bash, deferred])

@@ -564,7 +564,6 @@ REJECTIONS = [
     ("stop_sequences", {"stop_sequences": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ("budget_small", {"thinking": {"type": "enabled", "budget_tokens": 512}}, "at least 1024"),
     ("budget_large", {"max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "less than max_tokens"),
-    ("display_omitted", {"thinking": {"type": "adaptive", "display": "omitted"}}, "encrypted hidden-reasoning"),
     ("effort", {"output_config": {"effort": "extreme"}}, "expected one of"),
     ("output_format", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "constrained decoding"),
     ("tool_choice_any", {"tools": [WEATHER], "tool_choice": {"type": "any"}}, "forces a tool call"),
@@ -573,7 +572,6 @@ REJECTIONS = [
      "one call per turn"),
     ("strict", {"tools": [{**WEATHER, "strict": True}]}, "constrained decoding"),
     ("server_tool", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "executor"),
-    ("deferred", {"tools": [{**WEATHER, "defer_loading": True}]}, "tool-search executor"),
     ("callers", {"tools": [{**WEATHER, "allowed_callers": ["code_execution_20250825"]}]}, "call directly"),
     ("mcp", {"mcp_servers": [{"type": "url", "url": "https://mcp.test", "name": "x"}]}, "MCP"),
     ("container", {"container": "cntr_1"}, "container"),
@@ -625,8 +623,8 @@ def test_rejections_say_why(echo, changes, reason):
 def test_sdk_errors_and_count_tokens_share_the_validation(echo):
     sdk = client(echo)
     with pytest.raises(anthropic.BadRequestError) as bad:
-        sdk.messages.count_tokens(model="local", messages=USER, thinking={"type": "adaptive", "display": "omitted"})
-    assert "omitted" in str(bad.value) and bad.value.request_id == bad.value.response.headers["request-id"]
+        sdk.messages.count_tokens(model="local", messages=USER, thinking={"type": "adaptive", "display": "hidden"})
+    assert "thinking.display" in str(bad.value) and bad.value.request_id == bad.value.response.headers["request-id"]
     with pytest.raises(anthropic.BadRequestError):
         sdk.messages.create(model="local", max_tokens=10, messages=[{"role": "user", "content": [IMAGE]}])
     neutral = {"metadata": {"user_id": "u"}, "service_tier": "auto", "inference_geo": "eu", "unknown_hint": 1,

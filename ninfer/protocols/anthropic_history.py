@@ -25,6 +25,7 @@ import attrs
 from ninfer.core.conversation import ContentPart, ImagePart, Message, TextPart, ToolCall, ToolResult
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.openai_chat_messages import malformed, type_name, unsupported
+from ninfer.protocols.reasoning_codec import decode_reasoning
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 MAX_BLOCK_BREAKPOINTS = 4
@@ -38,6 +39,7 @@ VISION_DISABLED = "vision_disabled"
 ROLES = ("user", "assistant", "system")
 _UNSUPPORTED_BLOCKS = {
     "document": "documents need a document processor",
+    "tool_reference": "loading a deferred tool needs a tool search",
     "search_result": "search results need citation support",
     "container_upload": "container uploads need a code-execution container",
     "server_tool_use": "server tool calls need a server-side tool executor",
@@ -374,6 +376,8 @@ class HistoryLowering:
                     raise malformed(f"{where}.thinking", f"expected a string, got {type_name(thinking)}")
                 if signature is not None and not isinstance(signature, str):
                     raise malformed(f"{where}.signature", f"expected a string, got {type_name(signature)}")
+                if not thinking and signature:  # display "omitted": the signature carries the reasoning
+                    thinking = decode_reasoning(signature, f"{where}.signature")
                 self._order(phase, 0, where)
                 reasoning.append(thinking)
             elif kind == "text":

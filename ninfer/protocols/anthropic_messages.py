@@ -12,8 +12,6 @@ final ``message_delta``; count_tokens counts the edited prompt and reports the o
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import secrets
 from typing import Any, AsyncIterator, Callable
@@ -43,9 +41,9 @@ from ninfer.protocols.generation import (
     respond_with_stream,
 )
 from ninfer.protocols.http import json_bytes, read_json_object, sse_frame
+from ninfer.protocols.reasoning_codec import encode_reasoning
 
 PROTOCOL = "anthropic_messages"
-SIGNATURE_TAG = b"ninfer-thinking-v1\0"
 Event = tuple[str, dict[str, Any]]  # (SSE event name, JSON payload whose "type" is that name)
 
 
@@ -59,8 +57,9 @@ def tool_use_id(call_id: str) -> str:
 
 
 def thinking_signature(thinking: str) -> str:
-    """The opaque compatibility signature of a thinking block (deterministic in its text; never verified)."""
-    return base64.b64encode(SIGNATURE_TAG + hashlib.sha256(thinking.encode("utf-8")).digest()).decode("ascii")
+    """The signature of a thinking block: the reasoning codec's encoding of its text, so a block replayed with
+    empty ``thinking`` (``display: "omitted"``) restores it. Not secret; a visible text always wins on replay."""
+    return encode_reasoning(thinking)
 
 
 def usage_object(prompt_tokens: int, cached_tokens: int, output_tokens: int, thinking_tokens: int) -> dict[str, Any]:
@@ -88,9 +87,12 @@ def stop_fields(result: GenerationResult, max_tokens: int) -> tuple[str, str | N
 
 
 class BlockAssembler:
-    """Turns output events into Anthropic content blocks and their SSE lifecycle events."""
+    """Turns output events into Anthropic content blocks and their SSE lifecycle events; with ``omit_thinking``
+    thinking blocks stay empty (no thinking deltas) and only their signature carries the reasoning."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking
+        self._thinking: list[str] = []
         self.blocks: list[dict[str, Any]] = []
         self._open: str | None = None  # type of the open block (the last one), if any
         self._tool_index: dict[int, int] = {}  # decoder call index -> block index
@@ -101,8 +103,10 @@ class BlockAssembler:
         for event in events:
             if isinstance(event, ReasoningDelta) and event.text:
                 self._ensure("thinking", out)
-                self.blocks[-1]["thinking"] += event.text
-                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+                self._thinking.append(event.text)
+                if not self.omit_thinking:
+                    self.blocks[-1]["thinking"] += event.text
+                    out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
             elif isinstance(event, ContentDelta) and event.text:
                 self._ensure("text", out)
                 self.blocks[-1]["text"] += event.text
@@ -166,7 +170,8 @@ class BlockAssembler:
         index = len(self.blocks) - 1
         block = self.blocks[index]
         if self._open == "thinking":
-            block["signature"] = thinking_signature(block["thinking"])
+            block["signature"] = thinking_signature("".join(self._thinking))
+            self._thinking = []
             out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         self._open = None
         out.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
@@ -180,7 +185,7 @@ class MessageRenderer:
         self.max_tokens = max_tokens
         self.context_management = None if edited is None else edited.response_field()
         self.id = message_id()
-        self.assembler = BlockAssembler()
+        self.assembler = BlockAssembler(request.omit_thinking)
 
     def _shell(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.request.model}

@@ -54,7 +54,8 @@ class MessagesRequest:
 
     ``model`` is the client's label, echoed back. ``cache_breakpoints`` are the accepted distinct breakpoints
     (block-level plus a request-level one that did not merge), of which those in representable positions are
-    marked on the conversation's parts. ``context_management`` (None when the request sent none) is applied to the
+    marked on the conversation's parts. ``omit_thinking`` (``thinking.display: "omitted"``) returns thinking
+    blocks with empty text and the signature that restores them. ``context_management`` (None when the request sent none) is applied to the
     conversation by :func:`ninfer.protocols.anthropic_context.apply_context_management`, which needs token counts.
     """
 
@@ -64,6 +65,7 @@ class MessagesRequest:
     stream: bool = False
     cache_breakpoints: int = 0
     context_management: ContextManagement | None = None
+    omit_thinking: bool = False
 
 
 # -- top-level scalars -----------------------------------------------------------------------------
@@ -120,10 +122,12 @@ def parse_sampling(body: Mapping[str, Any], max_tokens: int | None) -> Generatio
 
 @attrs.frozen
 class ThinkingChoice:
-    """The request's thinking switch (None: the server default) and its optional budget."""
+    """The request's thinking switch (None: the server default), its optional budget, and whether the thinking
+    text is omitted from the output (``display: "omitted"``: only the restoring signature is returned)."""
 
     enabled: bool | None
     budget: int | None = None
+    omitted: bool = False
 
 
 def parse_thinking(body: Mapping[str, Any], max_tokens: int | None) -> ThinkingChoice:
@@ -139,11 +143,9 @@ def parse_thinking(body: Mapping[str, Any], max_tokens: int | None) -> ThinkingC
     display = optional_str(config, "display", "thinking.display")
     if display is not None and display not in THINKING_DISPLAYS:
         raise malformed("thinking.display", f"expected 'summarized' or 'omitted', got {display!r}")
-    if display == "omitted":
-        raise unsupported("thinking.display", "'omitted' needs encrypted hidden-reasoning restore semantics, which "
-                          "ninfer cannot provide; thinking is returned visibly (omit display or use 'summarized')")
+    omitted = display == "omitted"
     if kind == "adaptive":
-        return ThinkingChoice(True)
+        return ThinkingChoice(True, omitted=omitted)
     budget = config.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise malformed("thinking.budget_tokens", f"expected an integer, got {budget!r}")
@@ -151,7 +153,7 @@ def parse_thinking(body: Mapping[str, Any], max_tokens: int | None) -> ThinkingC
         raise malformed("thinking.budget_tokens", f"must be at least {MIN_THINKING_BUDGET}, got {budget}")
     if max_tokens is not None and budget >= max_tokens:
         raise malformed("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
-    return ThinkingChoice(True, budget)
+    return ThinkingChoice(True, budget, omitted)
 
 
 def parse_effort(body: Mapping[str, Any]) -> str | None:
@@ -191,9 +193,7 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
     if optional_bool(tool, "strict", f"{where}.strict"):
         raise unsupported(f"{where}.strict", "strict schema adherence needs constrained decoding, which ninfer "
                           "does not perform (use strict: false)")
-    if optional_bool(tool, "defer_loading", f"{where}.defer_loading"):
-        raise unsupported(f"{where}.defer_loading", "deferred tool loading needs a tool-search executor, which ninfer "
-                          "does not have")
+    optional_bool(tool, "defer_loading", f"{where}.defer_loading")
     callers = tool.get("allowed_callers")
     if callers is not None:
         if not isinstance(callers, list) or not all(isinstance(caller, str) for caller in callers):
@@ -215,14 +215,17 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
+    """The tools the model is shown, in declaration order. A ``defer_loading`` tool is validated but left out: a
+    deferred tool is not in the model's context until a tool search loads it, and ninfer has no tool search
+    (a ``tool_reference`` result that would load one is rejected)."""
     raw = optional_list(body, "tools")
-    tools: list[ToolDefinition] = []
+    tools: list[tuple[ToolDefinition, bool]] = []
     for index, tool in enumerate(raw):
         parsed = _tool(tool, f"tools.{index}")
-        if any(existing.name == parsed.name for existing in tools):
+        if any(existing.name == parsed.name for existing, _ in tools):
             raise malformed(f"tools.{index}.name", f"duplicate tool name {parsed.name!r}")
-        tools.append(parsed)
-    return tuple(tools)
+        tools.append((parsed, tool.get("defer_loading") is True))
+    return tuple(definition for definition, deferred in tools if not deferred)
 
 
 def parse_tool_choice(body: Mapping[str, Any], tools: tuple[ToolDefinition, ...]) -> str:
@@ -295,4 +298,5 @@ def parse_messages_request(body: Mapping[str, Any], settings: RequestSettings, *
     )
     options = GenerationOptions() if count_only else parse_sampling(body, max_tokens)
     stream = False if count_only else bool(optional_bool(body, "stream"))
-    return MessagesRequest(model, conversation, options, stream, plan.breakpoints, context)
+    return MessagesRequest(model, conversation, options, stream, plan.breakpoints, context,
+                           omit_thinking=thinking.omitted)

@@ -30,7 +30,8 @@ def _mount_anthropic_messages(app: Any, context: Any) -> None:
 @hookimpl
 def ninfer_protocol_adapters() -> list[ProtocolAdapter]:
     return [
-        ProtocolAdapter("health", (Route("GET", "/health"), Route("GET", "/"), Route("HEAD", "/")),
+        ProtocolAdapter("health", (Route("GET", "/health"), Route("GET", "/"), Route("HEAD", "/"),
+                                   Route("GET", "/api/hello"), Route("HEAD", "/api/hello")),
                         "engine readiness and the server's identity", mount=mount_health),
         ProtocolAdapter(
             "models", (Route("GET", "/v1/models"), Route("GET", "/v1/models/{model_id}")), "OpenAI model listing", mount=mount_models

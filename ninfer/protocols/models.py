@@ -1,6 +1,6 @@
-"""``GET /health``, ``GET|HEAD /`` (the server's identity), ``GET /v1/models`` and ``GET /v1/models/{id}``.
+"""``GET /health``, ``GET|HEAD /`` and ``/api/hello`` (the server's identity), ``GET /v1/models`` and ``GET /v1/models/{id}``.
 
-``/`` answers without authentication, like ``/health``: agent clients probe it for connectivity before their
+``/`` and ``/api/hello`` answer without authentication, like ``/health``: agent clients probe it for connectivity before their
 first request. It names the server and its readiness only (no model, no configuration).
 """
 
@@ -28,6 +28,10 @@ class HealthResource:
         healthy = self.context.engine is not None and self.context.engine.healthy
         resp.status = falcon.HTTP_200 if healthy else falcon.HTTP_503
         resp.media = {"status": "ok" if healthy else "unavailable"}
+
+
+#: Paths agent clients probe for connectivity without a key (Claude Code sends ``HEAD /api/hello``).
+PROBE_PATHS = ("/", "/api/hello")
 
 
 class RootResource:
@@ -68,7 +72,9 @@ class ModelsResource:
 
 def mount_health(app: Any, context: Any) -> None:
     app.add_route("/health", HealthResource(context))
-    app.add_route("/", RootResource(context))
+    root = RootResource(context)
+    for path in PROBE_PATHS:
+        app.add_route(path, root)
 
 
 def mount_models(app: Any, context: Any) -> None:

@@ -1,11 +1,13 @@
-"""``encrypted_content`` of Responses reasoning Items: an opaque, integrity-checked encoding of the raw reasoning.
+"""Reasoning that round-trips through the client: Responses ``encrypted_content`` and Anthropic thinking
+``signature`` are an opaque, integrity-checked encoding of the raw reasoning.
 
 Clients that keep no server-side state (Codex sends ``store: false`` with ``include:
 ["reasoning.encrypted_content"]``) replay reasoning only through this field, so it must round-trip the reasoning
 text exactly, across server restarts. The encoding is NOT encryption and hides nothing: it is URL-safe base64 of a
 version tag, a truncated SHA-256 of the text and the UTF-8 text itself. The digest rejects a damaged or foreign value
 instead of feeding the model garbage; it does not authenticate the sender (a client may equally send the raw
-``reasoning_text``).
+``reasoning_text`` or visible thinking). Anthropic ``display: "omitted"`` returns empty thinking whose signature is
+this encoding.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def decode_reasoning(value: str, param: str) -> str:
         blob = b""
     head, digest, raw = blob[:len(_TAG)], blob[len(_TAG):len(_TAG) + _DIGEST_BYTES], blob[len(_TAG) + _DIGEST_BYTES:]
     if head != _TAG or _digest(raw) != digest:
-        raise malformed(param, "not an encrypted_content value produced by this server (or it was altered); replay "
-                        "the reasoning Item exactly as it was returned, or send its reasoning_text content")
+        raise malformed(param, "not an encoded reasoning value produced by this server (or it was altered); replay "
+                        "it exactly as it was returned, or send the visible reasoning text")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -16,8 +16,9 @@ from ninfer.core.errors import NinferError
 from ninfer.core.observability import oplog
 from ninfer.protocols.errors import ANTHROPIC, ErrorReply, protocol_for_path, render_http_error, render_ninfer_error
 from ninfer.protocols.http import DisconnectTracking, RequestTooLargeError
+from ninfer.protocols.models import PROBE_PATHS
 
-OPEN_PATHS = frozenset({"/health", "/"})  # readiness and identity probes answer without a key
+OPEN_PATHS = frozenset({"/health", *PROBE_PATHS})  # readiness and identity probes answer without a key
 
 
 @attrs.define
