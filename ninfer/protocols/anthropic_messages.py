@@ -92,7 +92,6 @@ class BlockAssembler:
 
     def __init__(self, omit_thinking: bool = False) -> None:
         self.omit_thinking = omit_thinking
-        self._thinking: list[str] = []
         self.blocks: list[dict[str, Any]] = []
         self._open: str | None = None  # type of the open block (the last one), if any
         self._tool_index: dict[int, int] = {}  # decoder call index -> block index
@@ -103,9 +102,8 @@ class BlockAssembler:
         for event in events:
             if isinstance(event, ReasoningDelta) and event.text:
                 self._ensure("thinking", out)
-                self._thinking.append(event.text)
+                self.blocks[-1]["thinking"] += event.text
                 if not self.omit_thinking:
-                    self.blocks[-1]["thinking"] += event.text
                     out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
             elif isinstance(event, ContentDelta) and event.text:
                 self._ensure("text", out)
@@ -170,8 +168,9 @@ class BlockAssembler:
         index = len(self.blocks) - 1
         block = self.blocks[index]
         if self._open == "thinking":
-            block["signature"] = thinking_signature("".join(self._thinking))
-            self._thinking = []
+            block["signature"] = thinking_signature(block["thinking"])
+            if self.omit_thinking:
+                block["thinking"] = ""
             out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         self._open = None
         out.append(("content_block_stop", {"type": "content_block_stop", "index": index}))

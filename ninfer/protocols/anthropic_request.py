@@ -55,8 +55,9 @@ class MessagesRequest:
     ``model`` is the client's label, echoed back. ``cache_breakpoints`` are the accepted distinct breakpoints
     (block-level plus a request-level one that did not merge), of which those in representable positions are
     marked on the conversation's parts. ``omit_thinking`` (``thinking.display: "omitted"``) returns thinking
-    blocks with empty text and the signature that restores them. ``context_management`` (None when the request sent none) is applied to the
-    conversation by :func:`ninfer.protocols.anthropic_context.apply_context_management`, which needs token counts.
+    blocks with empty text and the signature that restores them. ``context_management`` (None when the request sent
+    none) is applied to the conversation by
+    :func:`ninfer.protocols.anthropic_context.apply_context_management`, which needs token counts.
     """
 
     model: str

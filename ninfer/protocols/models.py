@@ -1,7 +1,8 @@
-"""``GET /health``, ``GET|HEAD /`` and ``/api/hello`` (the server's identity), ``GET /v1/models`` and ``GET /v1/models/{id}``.
+"""``GET /health``, ``GET|HEAD /`` and ``/api/hello`` (the server's identity), ``GET /v1/models`` and
+``GET /v1/models/{id}``.
 
-``/`` and ``/api/hello`` answer without authentication, like ``/health``: agent clients probe it for connectivity before their
-first request. It names the server and its readiness only (no model, no configuration).
+``/`` and ``/api/hello`` answer without authentication, like ``/health``: agent clients probe them for connectivity
+before their first request. They name the server and its readiness only (no model, no configuration).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ class ModelNotFoundError(NinferError):
     code = "model_not_found"
 
 
+def engine_healthy(context: Any) -> bool:
+    return context.engine is not None and context.engine.healthy
+
+
 class HealthResource:
     def __init__(self, context: Any) -> None:
         self.context = context
 
     async def on_get(self, req: Any, resp: Any) -> None:
-        healthy = self.context.engine is not None and self.context.engine.healthy
+        healthy = engine_healthy(self.context)
         resp.status = falcon.HTTP_200 if healthy else falcon.HTTP_503
         resp.media = {"status": "ok" if healthy else "unavailable"}
 
@@ -39,9 +44,8 @@ class RootResource:
         self.context = context
 
     async def on_get(self, req: Any, resp: Any) -> None:
-        healthy = self.context.engine is not None and self.context.engine.healthy
         resp.media = {"object": "server", "name": "ninfer", "version": version("ninfer"),
-                      "status": "ok" if healthy else "unavailable"}
+                      "status": "ok" if engine_healthy(self.context) else "unavailable"}
 
     async def on_head(self, req: Any, resp: Any) -> None:
         await self.on_get(req, resp)

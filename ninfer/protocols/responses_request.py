@@ -378,7 +378,7 @@ class _TurnBuilder:
         self.seen_item_ids.add(item["id"])
         kind = item["type"]
         if kind in RESULT_TYPES:
-            self._close_turn()
+            self.close_turn()
             self.results.append((item, param))
             return
         if kind != "message" or item["role"] == "assistant":
@@ -391,22 +391,20 @@ class _TurnBuilder:
             self.turn = self.turn or _AssistantTurn()
             self.turn.add(item, param, historical)
             return
-        self._close_turn()
+        self.close_turn()
         self._flush_results()
         self.answerable = ()
         self.messages.append(Message(item["role"], _parts(item["content"], historical)))
 
     def finish(self) -> tuple[Message, ...]:
-        self._close_turn()
+        self.close_turn()
         self._flush_results()
         return tuple(self.messages)
 
     def close_turn(self) -> None:
-        """End the open assistant turn: a stored Response's output is a turn of its own, even when it directly
-        follows the parent's output (a parent that ended reasoning-only, continued without new input)."""
-        self._close_turn()
-
-    def _close_turn(self) -> None:
+        """End the open assistant turn (also called where a stored Response's output begins: it is a turn of its
+        own even when it directly follows the parent's output, e.g. a reasoning-only parent continued without new
+        input)."""
         if self.turn is not None:
             self.messages.append(self.turn.message())
             self.answerable = tuple(self.turn.calls)
@@ -564,7 +562,6 @@ def _check_create_controls(body: Mapping[str, Any]) -> None:
         raise malformed("service_tier", f"expected 'auto' or 'default', got {tier!r}")
     if optional_bool(body, "background"):
         raise unsupported("background", "background execution is not available")
-    parse_include(body.get("include"), "include")
     stream_options = optional_object(body, "stream_options") or {}
     _check_nested(stream_options, "stream_options", ("include_obfuscation",))
     optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
@@ -633,16 +630,18 @@ def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: b
     if preserve is None and parent is not None:
         preserve = parent.preserve_thinking
     starts = parent.output_starts if parent is not None else frozenset()
-    conversation = Conversation(messages=conversation_messages(history, items, instructions, starts), tools=tools.tools,
-                                ignored_tools=tools.ignored, tool_choice=tool_choice, allowed_tools=allowed, reasoning_effort=effort,
+    conversation = Conversation(messages=conversation_messages(history, items, instructions, starts),
+                                tools=tools.tools, ignored_tools=tools.ignored, tool_choice=tool_choice,
+                                allowed_tools=allowed, reasoning_effort=effort,
                                 preserve_thinking=preserve)
     if optional_bool(body, "parallel_tool_calls") is False and conversation.callable_tools:
         raise unsupported("parallel_tool_calls", "limiting the model to one call per turn needs constrained decoding; "
                           "send true or disable tools")
     options = GenerationOptions()
-    stream = store = False
+    stream = store = include = False
     if not count_only:
         _check_create_controls(body)
+        include = parse_include(body.get("include"), "include")
         options = GenerationOptions(max_tokens=optional_int(body, "max_output_tokens", 0),
                                     temperature=optional_number(body, "temperature", 0.0, 2.0),
                                     top_p=optional_number(body, "top_p", 0.0, 1.0))
@@ -650,4 +649,4 @@ def parse_responses_request(body: Mapping[str, Any], *, model_id: str, vision: b
         store = optional_bool(body, "store") is not False
     return ResponsesRequest(body=body, conversation=conversation, options=options, input_items=items, parent=parent,
                             previous_response_id=previous_id, instructions=instructions, stream=stream, store=store,
-                            include_encrypted_reasoning=parse_include(body.get("include"), "include"))
+                            include_encrypted_reasoning=include)

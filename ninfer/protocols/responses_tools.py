@@ -26,7 +26,7 @@ HOSTED_TOOL_TYPES = frozenset({
     "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26", "file_search",
     "code_interpreter", "image_generation", "mcp", "tool_search",
 })
-HOSTED_IGNORE, HOSTED_REJECT = "ignore", "reject"
+HOSTED_IGNORE = "ignore"  # the --hosted-tools default; any other policy rejects them
 FREEFORM_PARAMETER = "input"
 
 
