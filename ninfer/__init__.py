@@ -12,7 +12,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+source"
 
-_LAZY = {"LLM": "ninfer.llm", "SamplingParams": "ninfer.core.engine.request"}
+_LAZY = {"LLM": "ninfer.llm", "SamplingParams": "ninfer.core.request"}
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

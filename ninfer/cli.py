@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 import click
 
 from ninfer import __version__
-from ninfer.bench import bench_command
+from ninfer.bench.engine import bench_command
 from ninfer.core.config import ServeConfig, option_flag, serve_options
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError
 from ninfer.core.plugins import PluginManager, load_plugin_manager
@@ -153,7 +153,7 @@ def _serve(ctx: click.Context, artifact: str | None, print_config: bool, **optio
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return
-    importlib.import_module("ninfer.app").serve(config, manager)  # lazily: keeps --help and parsing light
+    importlib.import_module("ninfer.server.serve").serve(config, manager)  # lazily: keeps --help and parsing light
 
 
 cli.add_command(_serve_command())
@@ -216,7 +216,7 @@ def artifact() -> None:
 @click.pass_context
 def artifact_inspect(ctx: click.Context, file: str, as_json: bool) -> None:
     """Show what FILE (a .ninfer artifact or Hugging Face directory) contains."""
-    from ninfer.core.artifact import open_model_source
+    from ninfer.core.artifact.container import open_model_source
 
     registries = plugin_manager(ctx).registries
     with open_model_source(file) as opened:
@@ -338,7 +338,7 @@ def _format_summary(path: str, summary: Mapping[str, Any]) -> str:
 @click.pass_context
 def make_tiny(ctx: click.Context, out: str, **options: Any) -> None:
     """Write a tiny random-weight artifact of a real architecture to OUT (for tests and demos)."""
-    tiny = importlib.import_module("ninfer.core.tiny")
+    tiny = importlib.import_module("ninfer.core.artifact.tiny")
     path = tiny.write_tiny_artifact(out, tiny.TinyOptions(**options), plugin_manager(ctx).registries)
     click.echo(f"wrote {path}")
 
@@ -372,7 +372,7 @@ class _ProgressLine:
               help="a DFlash2 drafter directory whose weights to carry along (dflash2.*)")
 def convert(hf_dir: str, out: str, model_id: str | None, dflash_dir: str | None, dflash2_dir: str | None) -> None:
     """Convert a Hugging Face checkpoint directory HF_DIR into one .ninfer artifact."""
-    converter = importlib.import_module("ninfer.core.convert")
+    converter = importlib.import_module("ninfer.core.artifact.convert")
     progress: Callable[[int, int], None] | None = _ProgressLine() if sys.stderr.isatty() else None
     drafters = {name: path for name, path in (("dflash", dflash_dir), ("dflash2", dflash2_dir)) if path}
     try:

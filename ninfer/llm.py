@@ -13,11 +13,13 @@ from typing import Any, Sequence
 
 import attrs
 
-from ninfer.core.engine import EngineConfig, GenerationRequest, RequestHandle, SamplingParams, StopMatch, Usage
-from ninfer.core.engine.loader import LoadedModel, load_engine
-from ninfer.core.engine.speculative import SpeculativeConfig
-from ninfer.core.engine.sampler import SAMPLER_FIELDS
-from ninfer.core.engine.timings import RequestTimings
+from ninfer.core.request import GenerationRequest, SamplingParams
+
+from ninfer.engine import EngineConfig, RequestHandle, StopMatch, Usage
+from ninfer.server.compose import LoadedModel, load_engine
+from ninfer.core.drafting import SpeculativeConfig
+from ninfer.core.request import SAMPLER_FIELDS
+from ninfer.engine.timings import RequestTimings
 from ninfer.core.errors import InvalidRequestError
 from ninfer.core.runtime import LoadOptions
 

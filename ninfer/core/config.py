@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 import attrs
 
 from ninfer.core.errors import ConfigError
+from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.plugins import Registries
@@ -407,6 +408,12 @@ class ServeConfig:
         artifact_path = None if artifact is None else os.fspath(artifact)
         _check_combinations(values, given, registries, artifact_path)
         return cls(artifact=artifact_path, argv=redact_argv(argv), **values)
+
+    @property
+    def request_policy(self) -> RequestPolicy:
+        """The request rules these options select (output default, context ceiling, sampler flags, greedy)."""
+        overrides = {name: getattr(self, name) for name in (*SAMPLER_FIELDS, "seed")}
+        return RequestPolicy(self.max_context, self.default_max_tokens, overrides, self.greedy)
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """A JSON-ready dict of every field; ``redact`` replaces a set API key with ``<redacted>``."""

@@ -148,3 +148,9 @@ class GenerationOptions:
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields that resolve the request's sampling (``None``: not given)."""
+        return {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "max_tokens",
+            "stop")}

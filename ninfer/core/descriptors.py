@@ -13,8 +13,8 @@ import attrs
 from ninfer.core.errors import NotYetAvailableError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.artifact import Manifest, TensorInfo
-    from ninfer.core.hf_checkpoint import FusedTensor
+    from ninfer.core.artifact.container import Manifest, TensorInfo
+    from ninfer.core.artifact.hf_directory import FusedTensor
 
 
 def _not_available(kind: str, name: str, detail: str) -> NotYetAvailableError:

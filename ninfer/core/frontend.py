@@ -1,7 +1,7 @@
 """The contract between protocol adapters and a model family's frontend.
 
 A frontend turns a normalized :class:`~ninfer.core.conversation.Conversation` into prompt token ids
-(:class:`PreparedPrompt`) and decodes the engine's committed text into protocol-neutral output events.
+(:class:`PreparedRequest`) and decodes the engine's committed text into protocol-neutral output events.
 Adapters render these events in their wire format; only the family frontend knows the model's markup.
 """
 
@@ -13,6 +13,7 @@ import attrs
 
 from ninfer.core.conversation import Conversation, GenerationOptions
 from ninfer.core.descriptors import SamplingPreset
+from ninfer.core.request import GenerationRequest
 
 
 @attrs.frozen
@@ -77,25 +78,25 @@ class PromptCapabilities:
 
 
 @attrs.frozen
-class PreparedPrompt:
-    """A rendered, tokenized prompt plus everything generation and decoding need.
+class PreparedRequest:
+    """What :meth:`Frontend.prepare` returns: the request the engine executes and how it was rendered.
 
-    ``thinking``: the resolved thinking mode (selects the sampling preset and the decoder's start channel).
-    ``requested_effort``/``resolved_effort``: the client value and the effective tier (None when not tiered).
-    ``budget_close`` is an engine ``BudgetClose`` (or None) implementing the thinking budget.
-    ``checkpoint_offsets`` are prompt frontiers where the engine should capture reusable checkpoints.
+    ``request`` is resolved once, here: prompt token ids, sampling with the output limit and the model's stop ids,
+    the thinking budget (``budget_close``) and the checkpoint frontiers of explicit cache breakpoints. The caller
+    adds only its identity (request id, progress reports, reuse session). ``output_budget`` is the effective
+    output limit (``max_tokens`` capped by the context). ``thinking``: the resolved thinking mode (it selected
+    ``sampling_preset`` and the decoder's start channel); ``requested_effort``/``resolved_effort``: the client
+    value and the effective tier (None when not tiered).
     """
 
-    token_ids: tuple[int, ...]
+    request: GenerationRequest
+    output_budget: int
     thinking: bool
     preserve_thinking: bool
     requested_effort: str | None
     resolved_effort: str | None
-    stop_token_ids: tuple[int, ...]
     sampling_preset: SamplingPreset | None
-    budget_close: object | None = None
     conversation: Conversation | None = None
-    checkpoint_offsets: tuple[int, ...] = ()  # exact token frontiers of explicit cache breakpoints
 
 
 class OutputDecoder(Protocol):
@@ -114,6 +115,6 @@ class Frontend(Protocol):
 
     capabilities: PromptCapabilities
 
-    def prepare(self, conversation: Conversation, options: GenerationOptions) -> PreparedPrompt: ...
+    def prepare(self, conversation: Conversation, options: GenerationOptions) -> PreparedRequest: ...
 
-    def decoder(self, prepared: PreparedPrompt) -> OutputDecoder: ...
+    def decoder(self, prepared: PreparedRequest) -> OutputDecoder: ...

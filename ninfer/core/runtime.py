@@ -16,10 +16,13 @@ after the row's last new token in the slot.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, Sequence
 
 import attrs
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.drafting import DraftRow
 
 
 @attrs.frozen
@@ -245,3 +248,15 @@ class ModelRuntime(Protocol):
     spec: RuntimeSpec
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput: ...
+
+
+def page_table(rows: Sequence["DraftRow"], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[R, max_pages]`` int32 page ids of ``rows`` (zero-padded)."""
+    width = max(len(seq.pages) for seq in rows)
+    padded = [[*seq.pages, *([0] * (width - len(seq.pages)))] for seq in rows]
+    return torch.tensor(padded, dtype=torch.int32, device=device)
+
+
+def text_positions(positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[3, T]`` MRoPE ids of text tokens (three equal rows)."""
+    return torch.tensor([positions] * 3, dtype=torch.int64, device=device)

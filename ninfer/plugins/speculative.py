@@ -9,19 +9,19 @@ from ninfer.core.hookspecs import hookimpl
 
 
 def _build_mtp_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
-    from ninfer.plugins.qwen3_5.mtp_drafter import build_mtp_drafter
+    from ninfer.plugins.qwen3_5.speculative.mtp_drafter import build_mtp_drafter
 
     return build_mtp_drafter(runtime, artifact, config)
 
 
 def _build_dflash_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
-    from ninfer.plugins.qwen3_5.dflash_drafter import build_dflash_drafter
+    from ninfer.plugins.qwen3_5.speculative.dflash_drafter import build_dflash_drafter
 
     return build_dflash_drafter(runtime, artifact, config)
 
 
 def _build_dflash2_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
-    from ninfer.plugins.qwen3_5.dflash2_drafter import build_dflash2_drafter
+    from ninfer.plugins.qwen3_5.speculative.dflash2_drafter import build_dflash2_drafter
 
     return build_dflash2_drafter(runtime, artifact, config)
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 from agent_support import RecordingProxy  # noqa: E402
 from live_server import API_KEY, ECHO_MODEL, LiveServer, start_servers, tiny_artifact  # noqa: E402

@@ -1,4 +1,4 @@
-"""Triton kernels for the CUDA decode path; each has a pure-torch twin in ``ninfer.kernels`` as its oracle.
+"""Triton kernels for the CUDA decode path; each has a pure-torch twin in ``ninfer.kernels.reference`` as its oracle.
 
 Nothing here imports triton at package import time: CPU-only installs import ``ninfer.kernels.triton`` freely and
 ask ``triton_available()`` before touching a submodule (each submodule imports triton itself).

@@ -1,7 +1,7 @@
 """The sequential chunk-to-chunk state pass of the chunked gated delta rule (prefill), one kernel for all chunks.
 
-Twin: ``ninfer.kernels.prefill.chunk_state_pass_torch``. With every intra-chunk quantity already computed for all
-chunks (``ninfer.kernels.prefill.batched_chunk_gated_delta_rule``), chunk ``n`` only needs the state ``S`` that
+Twin: ``ninfer.kernels.reference.prefill.chunk_state_pass_torch``. With every intra-chunk quantity already computed for all
+chunks (``ninfer.kernels.reference.prefill.batched_chunk_gated_delta_rule``), chunk ``n`` only needs the state ``S`` that
 enters it::
 
     out[n]         = decayed_q[n] @ S                      # what the entering state contributes to the outputs

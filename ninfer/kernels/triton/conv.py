@@ -2,7 +2,7 @@
 per row for speculative verify (the window after every token kept for rollback) and a whole prefill chunk
 continuing from a window.
 
-Twin: ``ninfer.kernels.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
+Twin: ``ninfer.kernels.reference.conv.causal_conv1d``. The window of slot ``s`` is ``conv_cache[s] [C, K-1]``, oldest input
 first; after a step it holds the last K-1 inputs including the new one.
 
 The decode step is ``norm_gemv``'s conv epilogue (``conv_windows`` / ``conv_epilogue``, which the norm-fused entry

@@ -1,6 +1,6 @@
 """Fused recurrent gated delta rule for decode / verify: gates, L2 norms, the state update and the gated output norm.
 
-Twin: ``ninfer.kernels.gated_delta.recurrent_gated_delta_rule`` followed by ``ninfer.kernels.norms.gated_rms_norm``.
+Twin: ``ninfer.kernels.reference.gated_delta.recurrent_gated_delta_rule`` followed by ``ninfer.kernels.reference.norms.gated_rms_norm``.
 One program owns one (row, value head, block of value columns): the delta rule is independent per column of the
 state (``S^T k`` and the update are per column), so ``value_split`` programs share a head's ``[Dk, Dv]`` fp32 state
 (more programs for small batches). A program reads its columns of the row's state from its slot, runs the row's
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.gated_delta import L2_EPS
+from ninfer.kernels.reference.gated_delta import L2_EPS
 from ninfer.kernels.triton.norm_gemv import after_predecessor, launch_options, resolve_pdl
 from ninfer.kernels.triton.norms import gated_rms_norm
 from ninfer.kernels.triton.pending_state import PendingLayer, replay_pending

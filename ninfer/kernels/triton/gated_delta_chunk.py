@@ -1,6 +1,6 @@
 """The chunked gated delta rule for prefill in four Triton kernels that read q, k, v, g and beta in place.
 
-Oracle: ``ninfer.kernels.gated_delta.chunk_gated_delta_rule`` (same math, same 64-token chunks). q and k are read
+Oracle: ``ninfer.kernels.reference.gated_delta.chunk_gated_delta_rule`` (same math, same 64-token chunks). q and k are read
 through their strides (views split from the conv output are fine), each value head reads its key head
 (``head // (Hv // Hk)``), the L2 norms and the q scale are applied on load, and the tail chunk is masked. Per value
 head, a chunk with cumulative log-decay ``c``, normalised keys ``K`` and entering state ``S`` gives::
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.gated_delta import L2_EPS, check_shapes
+from ninfer.kernels.reference.gated_delta import L2_EPS, check_shapes
 from ninfer.kernels.triton import interpreting
 
 CHUNK = 64

@@ -1,6 +1,6 @@
 """Graph-capturable mixture-of-experts pieces for decode: top-k routing, per-(token, expert) GEMVs, the combine.
 
-Twin: ``ninfer.kernels.moe.moe_forward`` (softmax over all experts in fp32, top-k, renormalised to sum 1, SwiGLU
+Twin: ``ninfer.kernels.reference.moe.moe_forward`` (softmax over all experts in fp32, top-k, renormalised to sum 1, SwiGLU
 experts, sigmoid-gated shared expert). Expert ids stay on the device: no host sync, fixed grids.
 """
 

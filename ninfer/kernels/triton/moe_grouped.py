@@ -23,7 +23,7 @@ kernel lets the down kernel launch only after its own wait for the router). Grid
 ``min(rows * k, E)`` experts; programs past the listed count do nothing) and expert ids never leave the device, so
 everything is captured in the decode graph. Sums are deterministic (no atomics on data). One row multiplies with
 FMA reductions; more rows pad to a ``tl.dot`` tile of >= 16 rows, rows that did not select the expert are not read.
-Twin: ``ninfer.kernels.moe.moe_forward``; results are rounded to the
+Twin: ``ninfer.kernels.reference.moe.moe_forward``; results are rounded to the
 activation dtype where the twin rounds them (router and gate logits, gate/up, the activation, each expert's output).
 """
 

@@ -31,7 +31,7 @@ second barrier's last arrival sets the counter back to zero (the next call touch
 predecessor wait, so after this grid has ended), so no program ends on an atomic: the 264 acquire-release atomics
 that reset it on the way out cost the H200 step 60 µs (docs/performance.md, round 9). ``trace`` records each
 program's clock at the phase boundaries (``scripts/gpu_moe_sweep.py`` prints the profile). Twin:
-``ninfer.kernels.moe.moe_forward`` (of ``ninfer.kernels.norms.rms_norm`` of the sum with ``norm_weight``); rounding
+``ninfer.kernels.reference.moe.moe_forward`` (of ``ninfer.kernels.reference.norms.rms_norm`` of the sum with ``norm_weight``); rounding
 follows ``moe_grouped``.
 """
 

@@ -10,7 +10,7 @@ recomputes the norm of the rows it multiplies instead of reading a normed copy w
 * ``gated_norm_gemv``: ``y = (rms_norm_per_head(core) * w * silu(z)) @ W^T``, the Gated DeltaNet output norm and
   out projection. A head's norm needs only that head, so each K tile holds whole heads and is normed on the fly.
 
-Twins: ``ninfer.kernels.norms.rms_norm`` (zero-centered) / ``gated_rms_norm`` followed by ``F.linear``. Rounding
+Twins: ``ninfer.kernels.reference.norms.rms_norm`` (zero-centered) / ``gated_rms_norm`` followed by ``F.linear``. Rounding
 follows the twin: the residual sum and the normed activations are rounded to the activation dtype before the
 product, which accumulates in fp32 and is rounded to the activation dtype once. One row multiplies with FMA
 reductions; more rows pad to a ``tl.dot`` tile of 16. With programmatic dependent launch (``GemvTiles.pdl``,
@@ -267,7 +267,7 @@ def conv_windows(cache_ptr, cache_slot_stride, slots_ptr, rows, t, token_valid, 
 def conv_epilogue(y, rows, conv_weight_ptr, window_ptr, mask, update, pasts, WINDOW: tl.constexpr):
     """``silu(y * tap[K-1] + sum_j pasts[j] * tap[j])`` (fp32, rounded to ``y``'s dtype) of the new columns ``y
     [TOKENS, ROWS]`` with their windows (``conv_windows``), which shift in place to end with ``y`` where the row
-    updates its slot; columns past the conv keep ``y``. Twin: ``ninfer.kernels.conv.causal_conv1d``."""
+    updates its slot; columns past the conv keep ``y``. Twin: ``ninfer.kernels.reference.conv.causal_conv1d``."""
     taps_ptr = conv_weight_ptr + rows[None, :] * (WINDOW + 1)
     acc = y.to(tl.float32) * tl.load(taps_ptr + WINDOW, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(WINDOW):

@@ -1,7 +1,7 @@
 """Fused row kernels: residual add + RMSNorm, gated RMSNorm * silu(z), SiLU(gate) * up and x * sigmoid(gate).
 
-Twins: ``ninfer.kernels.norms.rms_norm`` / ``gated_rms_norm``, the activation inside ``ninfer.kernels.moe.swiglu``
-and the output gate of ``ninfer.plugins.qwen3_5.layers.full_attention``. All math is fp32; outputs take the input
+Twins: ``ninfer.kernels.reference.norms.rms_norm`` / ``gated_rms_norm``, the activation inside ``ninfer.kernels.reference.moe.swiglu``
+and the output gate of ``ninfer.plugins.qwen3_5.model.layers.full_attention``. All math is fp32; outputs take the input
 dtype. Every grid puts the rows on its first axis, so any number of tokens (a whole prefill) fits one launch.
 """
 

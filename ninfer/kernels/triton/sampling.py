@@ -1,6 +1,6 @@
 """On-device token sampling: penalties, temperature, top-k, top-p, min-p and the inverse-CDF pick in two launches.
 
-Twin: ``ninfer.kernels.sampling.sample_rows`` (same arguments, same rule). Stage 1 splits every row into chunks
+Twin: ``ninfer.kernels.reference.sampling.sample_rows`` (same arguments, same rule). Stage 1 splits every row into chunks
 (2048 columns below 4 rows, else 8192), one program each: it subtracts the row's penalty on the fly and extracts
 the chunk's top ``TOP_K_CAP`` candidates. Stage 2, one program per row, merges the chunks' candidates into the row's
 sorted top ``TOP_K_CAP`` and applies temperature, top-k, softmax, top-p, min-p and the pick with the row's uniform;
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.sampling import TOP_K_CAP
+from ninfer.kernels.reference.sampling import TOP_K_CAP
 from ninfer.kernels.triton.argmax_keys import INT64_MIN, key_column, sortable_key
 
 SMALL_BATCH_CHUNK, CHUNK = 2048, 8192  # below 4 rows narrower chunks spread one row over more programs
@@ -281,7 +281,7 @@ def _row_max_kernel(keys_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
 def greedy_rows(logits: torch.Tensor, vocab_limit: int | None = None, *, chunk: int | None = None) -> torch.Tensor:
     """The argmax id of each row of ``logits [R, V]`` below ``vocab_limit`` (the first among equal maxima) in two
     light launches: each chunk's largest key, then each row's; what :func:`sample_rows` picks for rows of temperature
-    0 without penalties. Twin: ``ninfer.kernels.sampling.greedy_rows``."""
+    0 without penalties. Twin: ``ninfer.kernels.reference.sampling.greedy_rows``."""
     if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] with unit column stride; got shape {tuple(logits.shape)}")
     rows, width = logits.shape
@@ -342,7 +342,7 @@ def time_sampling(rows: tuple[int, ...] = (1, 8), vocab: int = 248320, iteration
     """
     from triton.testing import do_bench_cudagraph
 
-    from ninfer.kernels import sampling as twin
+    from ninfer.kernels.reference import sampling as twin
 
     results = []
     for count in rows:

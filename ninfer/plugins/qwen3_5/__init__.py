@@ -16,31 +16,31 @@ MOE_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalL
 
 
 def _expected_weights(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    from ninfer.plugins.qwen3_5.weights import expected_weights
+    from ninfer.plugins.qwen3_5.model.weights import expected_weights
 
     return expected_weights(config)
 
 
 def _checkpoint_layout(config: Mapping[str, Any], stored: Mapping[str, Any]) -> Any:
-    from ninfer.plugins.qwen3_5.checkpoint import checkpoint_layout
+    from ninfer.plugins.qwen3_5.model.checkpoint import checkpoint_layout
 
     return checkpoint_layout(config, stored)
 
 
 def _load_runtime(artifact: Any, options: Any) -> Any:
-    from ninfer.plugins.qwen3_5.runtime import load_runtime
+    from ninfer.plugins.qwen3_5.model.runtime import load_runtime
 
     return load_runtime(artifact, options)
 
 
 def _build_frontend(artifact: Any, config: Any, tokenizer: Any) -> Any:
-    from ninfer.plugins.qwen3_5.frontend import QwenFrontend
+    from ninfer.plugins.qwen3_5.frontend.qwen_frontend import QwenFrontend
 
     return QwenFrontend(artifact, config, tokenizer)
 
 
 def _make_tiny(options: Any) -> Any:
-    from ninfer.plugins.qwen3_5.tiny import make_tiny
+    from ninfer.plugins.qwen3_5.model.tiny import make_tiny
 
     return make_tiny(options)
 

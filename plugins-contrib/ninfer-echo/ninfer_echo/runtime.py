@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ninfer.core.artifact import TOKENIZER_RESOURCE, ModelSource
+from ninfer.core.artifact.container import TOKENIZER_RESOURCE, ModelSource
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError, WeightMismatchError
 from ninfer.core.runtime import (
     AttentionLayerSpec,

@@ -1,0 +1,114 @@
+"""What comes back from the engine for one request: its events and its outcome."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from ninfer.core.request import SamplingParams
+from ninfer.engine.timings import RequestTimings, SpeculativeCounters
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@attrs.frozen
+class StopMatch:
+    """Which stop ended a request: a stop token id or a stop string."""
+
+    token_id: int | None = None
+    string: str | None = None
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class GenerationOutcome:
+    """The terminal result of a request.
+
+    ``output_token_ids`` are every committed output token (sampled and control, including a stop token);
+    ``text`` is everything emitted as text (stop strings and stop-token text withheld).
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    stop: StopMatch | None
+    prompt_tokens: int
+    output_token_ids: tuple[int, ...]
+    text: str
+    cached_tokens: int
+    control_tokens: int
+    seed: int | None
+    sampling: SamplingParams
+    timings: RequestTimings
+    speculative: SpeculativeCounters | None = None  # with --spec: the request's drafting counters
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+@attrs.frozen
+class TokensEvent:
+    """Newly committed output tokens and the text they released.
+
+    ``control`` marks tokens the engine inserted without sampling (budget close). ``text`` may be empty
+    while bytes or a possible stop string are held back, and may carry text held back from earlier tokens.
+    ``time`` is the monotonic commit time; ``timings`` the cumulative snapshot at this commit.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    control: bool
+    completion_tokens: int
+    time: float
+    timings: RequestTimings
+
+
+@attrs.frozen
+class AdmittedEvent:
+    """The admission commit: the request holds a lane and its exact reused prefix is decided.
+
+    Always the first event of an admitted request; ``cached_tokens`` of ``prompt_tokens`` come from a
+    prefix checkpoint (the Anthropic ``message_start`` usage split is exact from here on).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    time: float
+
+
+@attrs.frozen
+class ProgressEvent:
+    """Prompt-processing progress (llama.cpp ``prompt_progress``): cumulative, never moving backwards."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": round(self.time_ms)}
+
+
+@attrs.frozen
+class FinishEvent:
+    """The last event of a successful request."""
+
+    outcome: GenerationOutcome
+
+
+EngineEvent = AdmittedEvent | TokensEvent | ProgressEvent | FinishEvent

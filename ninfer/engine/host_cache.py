@@ -1,0 +1,218 @@
+"""The host tier of the context cache: prefix checkpoints moved out of device memory under pressure.
+
+When the device prefix cache evicts a checkpoint, the engine moves it here instead of dropping it, if it fits: its
+StateImage goes into one of ``state_slots`` host StateImage slots (allocated at startup, pinned on CUDA) and its KV
+pages of every cache (Main and the drafter's companions) into host tensors counted against a byte budget in whole
+page extents. The logits, session and drafter snapshot travel as they are. To make room the tier evicts its own
+least recently used anonymous checkpoints first and session endpoints last; a checkpoint that cannot fit even in
+an empty tier is dropped.
+
+A host checkpoint is never used in place: admission copies it back into a request's freshly reserved pages and
+slot (:meth:`HostCache.restore`); the host copy stays valid and remains in the tier.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from ninfer.engine.pages import pages_for
+from ninfer.engine.prefix_cache import eviction_victim, longest_prefix
+from ninfer.core.runtime import KVCache, StateCache
+
+MIB = 1 << 20
+
+
+@attrs.frozen
+class HostTierCounters:
+    """Cumulative host-tier activity: checkpoints spilled from Device, hits restored from Host, host evictions, spills
+    dropped for lack of room, and the bytes copied each way."""
+
+    spills: int = 0
+    hits: int = 0
+    evictions: int = 0
+    dropped: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    def minus(self, earlier: "HostTierCounters") -> "HostTierCounters":
+        return HostTierCounters(
+            *(getattr(self, field.name) - getattr(earlier, field.name) for field in attrs.fields(HostTierCounters))
+        )
+
+
+@attrs.define(eq=False)
+class HostCheckpoint:
+    """A checkpoint held in host memory: ``kv[c]`` is cache c's ``(keys, values)``, each ``[pages, ...]`` per layer."""
+
+    tokens: tuple[int, ...]
+    state_slot: int
+    kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+    num_pages: int
+    kv_bytes: int
+    logits: torch.Tensor
+    last_used: int
+    session: str | None = None
+    drafter: Any = None
+
+
+def page_extent_bytes(caches: Sequence[KVCache]) -> int:
+    """Bytes one page occupies across every layer of every cache (keys and values)."""
+    return sum(
+        tensor[0].numel() * tensor.element_size() for cache in caches for tensor in (*cache.key, *cache.value)
+    )
+
+
+def _state_bytes(state: StateCache) -> int:
+    return sum(tensor[0].numel() * tensor.element_size() for tensor in (*state.conv, *state.ssm))
+
+
+class HostCache:
+    """At most ``state_slots`` host checkpoints whose KV fits ``kv_budget_bytes`` counted in whole page extents."""
+
+    def __init__(self, state_slots: int, kv_budget_bytes: int, device_state: StateCache, page_size: int) -> None:
+        self.state_slots = state_slots
+        self.kv_budget_bytes = kv_budget_bytes
+        self.page_size = page_size
+        self.enabled = state_slots > 0 and kv_budget_bytes > 0
+        self._pin = any(tensor.is_cuda for tensor in (*device_state.conv, *device_state.ssm))
+        count = state_slots if self.enabled else 0
+        self._state = StateCache(
+            conv=[self._empty((count, *tensor.shape[1:]), tensor.dtype) for tensor in device_state.conv],
+            ssm=[self._empty((count, *tensor.shape[1:]), tensor.dtype) for tensor in device_state.ssm],
+        )
+        self._free_slots = list(range(count - 1, -1, -1))
+        self._entries: list[HostCheckpoint] = []
+        self._clock = 0
+        self.protected: HostCheckpoint | None = None  # an entry being restored: never evicted meanwhile
+        self.counters = HostTierCounters()
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_kv_bytes(self) -> int:
+        return sum(entry.kv_bytes for entry in self._entries)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _count(self, **deltas: int) -> None:
+        self.counters = attrs.evolve(
+            self.counters, **{name: getattr(self.counters, name) + delta for name, delta in deltas.items()}
+        )
+
+    # -- lookup ------------------------------------------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int], longer_than: int = 0) -> HostCheckpoint | None:
+        """The longest host checkpoint longer than ``longer_than`` tokens whose tokens prefix ``prompt``."""
+        best = longest_prefix(self._entries, prompt, longer_than)
+        if best is not None:
+            best.last_used = self._tick()
+        return best
+
+    def demote(self, session: str) -> None:
+        """The host endpoint of ``session`` (if any) becomes anonymous: a newer endpoint exists elsewhere."""
+        for entry in self._entries:
+            if entry.session == session:
+                entry.session = None
+
+    # -- moving checkpoints ------------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: tuple[int, ...],
+        pages: Sequence[int],
+        slot: int,
+        logits: torch.Tensor,
+        session: str | None,
+        drafter: Any,
+        device_state: StateCache,
+        caches: Sequence[KVCache],
+    ) -> bool:
+        """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped."""
+        if not self.enabled:
+            return False
+        for entry in self._entries:
+            if entry.tokens == tokens:  # already held: the host copy is identical
+                entry.last_used = self._tick()
+                if session is not None:
+                    self.demote(session)
+                    entry.session = session
+                return True
+        used_pages = pages[: pages_for(len(tokens), self.page_size)]
+        kv_bytes = len(used_pages) * page_extent_bytes(caches)
+        if not self._make_room(kv_bytes):
+            self._count(dropped=1)
+            return False
+        if session is not None:
+            self.demote(session)
+        host_slot = self._free_slots.pop()
+        for host, device in zip((*self._state.conv, *self._state.ssm), (*device_state.conv, *device_state.ssm)):
+            host[host_slot].copy_(device[slot])
+        index = torch.tensor(list(used_pages), dtype=torch.long)
+        kv = [
+            ([self._copy_pages(key, index) for key in cache.key], [self._copy_pages(val, index) for val in cache.value])
+            for cache in caches
+        ]
+        entry = HostCheckpoint(
+            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter
+        )
+        self._entries.append(entry)
+        self._count(spills=1, bytes_to_host=kv_bytes + _state_bytes(device_state))
+        return True
+
+    def _copy_pages(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        host = self._empty((index.numel(), *tensor.shape[1:]), tensor.dtype)
+        host.copy_(tensor.index_select(0, index.to(tensor.device)))
+        return host
+
+    def _make_room(self, kv_bytes: int) -> bool:
+        """Evict host checkpoints (anonymous LRU first, then endpoints) until a slot and ``kv_bytes`` are free."""
+        if kv_bytes > self.kv_budget_bytes:
+            return False
+        while not self._free_slots or self.used_kv_bytes + kv_bytes > self.kv_budget_bytes:
+            candidates = [entry for entry in self._entries if entry is not self.protected]
+            if not candidates:
+                return False
+            victim = eviction_victim(candidates)
+            self._remove(victim)
+            self._count(evictions=1)
+        return True
+
+    def restore(
+        self,
+        entry: HostCheckpoint,
+        device_state: StateCache,
+        slot: int,
+        caches: Sequence[KVCache],
+        pages: Sequence[int],
+    ) -> None:
+        """Copy ``entry``'s StateImage into device ``slot`` and its KV into ``pages`` (one per held page) of
+        ``caches``."""
+        if len(caches) != len(entry.kv) or len(pages) != entry.num_pages:
+            raise RuntimeError("a host checkpoint no longer matches the device caches it would be restored into")
+        for host, device in zip((*self._state.conv, *self._state.ssm), (*device_state.conv, *device_state.ssm)):
+            device[slot].copy_(host[entry.state_slot], non_blocking=self._pin)
+        for cache, (keys, values) in zip(caches, entry.kv):
+            for device, host in zip((*cache.key, *cache.value), (*keys, *values)):
+                index = torch.tensor(list(pages), dtype=torch.long, device=device.device)
+                device.index_copy_(0, index, host.to(device.device, non_blocking=self._pin))
+        entry.last_used = self._tick()
+        self._count(hits=1, bytes_to_device=entry.kv_bytes + _state_bytes(device_state))
+
+    # -- removal -----------------------------------------------------------------------------------
+
+    def _remove(self, entry: HostCheckpoint) -> None:
+        self._entries.remove(entry)
+        self._free_slots.append(entry.state_slot)
+
+    def clear(self) -> None:
+        for entry in list(self._entries):
+            self._remove(entry)

@@ -1,0 +1,316 @@
+"""The engine's device memory: the paged KV pool, the StateImage slots, the prefix checkpoints, reservations.
+
+Admission reserves a request's full prompt + effective-output page entitlement up front: the pages it
+will allocate are *promised*, and a new request is admitted only when ``free - promised`` covers its own
+fresh pages (after evicting prefix checkpoints: anonymous ones least recently used first, then session
+endpoints). An admitted request therefore never waits for memory.
+
+A speculative drafter that can resume (:class:`DrafterResume`) has its snapshot kept with every checkpoint and
+restored with it, so a request whose prompt ends exactly at a checkpoint drafts from its first decode round. The
+pages holding the checkpoint's last ``rewritten_positions`` positions are copied, not shared, for such a request:
+the drafter rewrites its own paged state there (MTP's entry for the last position depends on the next token).
+
+Checkpoints the device cache evicts move to the host tier (:class:`HostCache`) when it is enabled and they fit. A
+host checkpoint longer than the best device hit is restored at admission into a request reserved like a cold one
+(same reservation, same pressure evictions); if that reservation does not fit now, admission falls back to the
+device hit or a cold prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
+from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters
+from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
+from ninfer.engine.prefix_cache import Checkpoint, PrefixCache
+from ninfer.engine.sequence import Sequence
+from ninfer.core.errors import ConfigError
+from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
+
+
+def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: DrafterMemory | None = None) -> int:
+    """The KV pool size in tokens: explicit, or ``auto`` (CUDA: free memory less 1 GiB; CPU: C * max_context).
+
+    With a drafter, ``auto`` also leaves its transient bytes free and counts its KV bytes per pool token.
+    """
+    if config.kv_capacity != AUTO:
+        return int(config.kv_capacity)
+    if spec.device.type != "cuda":
+        return config.max_context * config.max_concurrency
+    free_bytes, _total = torch.cuda.mem_get_info(spec.device)
+    per_token = spec.kv_bytes_per_token()
+    headroom = AUTO_HEADROOM_BYTES
+    if drafter is not None:
+        per_token += drafter.kv_bytes_per_token
+        headroom += drafter.transient_bytes
+    tokens = int((free_bytes - headroom) // per_token) if per_token > 0 else config.max_context
+    if tokens < config.max_context:
+        raise ConfigError(
+            f"--kv-capacity auto: only {max(tokens, 0)} KV tokens fit in the free device memory "
+            f"({free_bytes / 2**30:.1f} GiB free, {headroom / 2**30:.1f} GiB headroom, "
+            f"{per_token:.0f} bytes per token), fewer than --max-context {config.max_context}",
+            param="kv_capacity",
+        )
+    return tokens
+
+
+@attrs.frozen
+class DrafterResume:
+    """How a drafter's state travels with prefix checkpoints: ``snapshot(seq)`` (None: not resumable now) at
+    capture, ``restore(seq, snapshot)`` at a hit; a resumer rewrites the drafter's paged state of the
+    checkpoint's last ``rewritten_positions`` positions."""
+
+    snapshot: Callable[[Sequence], Any]
+    restore: Callable[[Sequence, Any], None]
+    rewritten_positions: int = 0
+
+
+@attrs.frozen
+class DrafterMemory:
+    """What a speculative drafter adds: KV bytes per pool token, transient bytes of one verify round, and its
+    checkpoint hooks (None: the drafter restarts cold after every checkpoint hit)."""
+
+    kv_bytes_per_token: float
+    transient_bytes: int
+    resume: DrafterResume | None = None
+
+
+@attrs.frozen
+class MemoryStats:
+    """Pool occupancy: pages and slots free/total, what checkpoints hold, what admission promised."""
+
+    total_pages: int
+    free_pages: int
+    promised_pages: int
+    checkpoint_pages: int
+    total_slots: int
+    free_slots: int
+    checkpoints: int
+    page_size: int
+    kv_capacity_tokens: int
+    host_checkpoints: int = 0
+    host_kv_bytes: int = 0
+    host_tier: HostTierCounters = HostTierCounters()  # cumulative since start
+
+
+class EngineMemory:
+    """Owns the KV and state tensors and decides which page/slot belongs to whom."""
+
+    def __init__(self, spec: RuntimeSpec, config: EngineConfig, drafter: DrafterMemory | None = None) -> None:
+        self.page_size = config.page_size
+        num_slots = config.max_concurrency + config.checkpoint_slots
+        self.state = StateCache.allocate(spec, num_slots)
+        self.kv_capacity_tokens = resolve_kv_capacity(config, spec, drafter)
+        num_pages = pages_for(self.kv_capacity_tokens, self.page_size)
+        self.kv = KVCache.allocate(spec, num_pages, self.page_size)
+        self.pages = PagePool(num_pages)
+        self.slots = SlotPool(num_slots)
+        self.host = HostCache(
+            config.host_state_slots if config.checkpoint_slots else 0, config.host_kv_mib * MIB, self.state,
+            self.page_size,
+        )
+        self.cache = PrefixCache(
+            config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state,
+            spill=self._spill if self.host.enabled else None,
+        )
+        self.promised = 0
+        self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
+        self._resume = None if drafter is None else drafter.resume
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.num_pages
+
+    def stats(self) -> MemoryStats:
+        return MemoryStats(
+            total_pages=self.pages.num_pages,
+            free_pages=self.pages.free_count,
+            promised_pages=self.promised,
+            checkpoint_pages=self.cache.held_pages,
+            total_slots=self.slots.num_slots,
+            free_slots=self.slots.free_count,
+            checkpoints=len(self.cache),
+            page_size=self.page_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            host_checkpoints=len(self.host),
+            host_kv_bytes=self.host.used_kv_bytes,
+            host_tier=self.host.counters,
+        )
+
+    def clear_cache(self) -> None:
+        """Drop every prefix checkpoint of both tiers."""
+        self.cache.clear()
+        self.host.clear()
+
+    def _spill(self, entry: Checkpoint) -> None:
+        """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
+        self.host.store(
+            entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
+            self.state, (self.kv, *self.companions),
+        )
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def try_admit(self, seq: Sequence, reuse: bool) -> bool:
+        """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait.
+
+        A hit is normally shared (full pages referenced, the partial last page copied). When sharing would leave
+        the reservation short — e.g. a request entitled to the whole pool — a checkpoint whose partial page no one
+        else references is consumed instead: the request takes over its pages and the checkpoint is dropped.
+        Failing both, the request is admitted without reuse.
+        """
+        hit = self.cache.lookup(seq.prompt) if reuse else None
+        if reuse and self.host.enabled:
+            host_hit = self.host.lookup(seq.prompt, longer_than=0 if hit is None else len(hit.tokens))
+            if host_hit is not None and self._admit_from_host(seq, host_hit):
+                return True
+        consume = False
+        if hit is not None and not self._fits(seq, hit, self._shareable_pages(hit)):
+            consume = self._consumable(hit) and self._fits(seq, hit, len(hit.pages))
+            if not consume:
+                hit = None
+        reused = 0 if hit is None else len(hit.pages) if consume else self._shareable_pages(hit)
+        if not self._fits(seq, hit, reused):
+            return False
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - reused
+        while self.pages.free_count - self.promised < fresh:
+            if not self.cache.evict(keep=hit):
+                return False
+        self._reserve(seq, fresh)
+        if hit is None:
+            self.state.reset(seq.slot)
+            return True
+        size = len(hit.tokens)
+        if consume:
+            self.cache.take(hit)  # its page references move to the request
+            seq.pages.extend(hit.pages)
+        else:
+            for page in hit.pages[:reused]:
+                self.pages.ref(page)
+                seq.pages.append(page)
+            for index in range(reused, len(hit.pages)):  # the partial last page, or any page the drafter rewrites
+                source, target = hit.pages[index], self._allocate(seq)
+                for kv in (self.kv, *self.companions):
+                    copy_kv_page(kv, source, target, min(self.page_size, size - index * self.page_size))
+        self.state.copy(hit.slot, seq.slot)
+        if consume:
+            self.slots.release(hit.slot)
+        self._resume_at(seq, size, hit.logits, hit.drafter)
+        return True
+
+    def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
+        """Reserve ``seq`` like a cold request and copy the host checkpoint into it; False if it does not fit now."""
+        if not self._fits(seq, None, 0):
+            return False
+        fresh = pages_for(seq.reserved_tokens, self.page_size)
+        self.host.protected = entry  # device evictions below spill to the host tier: keep this entry there
+        try:
+            while self.pages.free_count - self.promised < fresh:
+                if not self.cache.evict():
+                    raise RuntimeError("admission found reclaimable checkpoint pages that eviction did not free")
+        finally:
+            self.host.protected = None
+        self._reserve(seq, fresh)
+        assert seq.slot is not None
+        pages = [self._allocate(seq) for _ in range(entry.num_pages)]
+        self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
+        self._resume_at(seq, len(entry.tokens), entry.logits, entry.drafter)
+        return True
+
+    def _reserve(self, seq: Sequence, fresh: int) -> None:
+        """Give ``seq`` a state slot and promise it ``fresh`` pages."""
+        seq.slot = self.slots.acquire()
+        self.promised += fresh
+        seq.promised_pages = fresh
+
+    def _resume_at(self, seq: Sequence, size: int, logits: torch.Tensor, drafter_snapshot: Any) -> None:
+        """``seq`` continues after a restored checkpoint of ``size`` tokens (and its drafter snapshot, if any)."""
+        seq.fed = seq.cache_n = size
+        seq.last_logits, seq.last_logits_at = logits, size
+        if drafter_snapshot is not None and self._resume is not None:
+            self._resume.restore(seq, drafter_snapshot)
+
+    def _shareable_pages(self, hit: Any) -> int:
+        """The checkpoint's pages a request may reference: its full pages, less those holding positions the
+        drafter rewrites when it resumes from the checkpoint's snapshot."""
+        kept = len(hit.tokens)
+        if hit.drafter is not None and self._resume is not None:
+            kept -= self._resume.rewritten_positions
+        return max(kept, 0) // self.page_size
+
+    def _consumable(self, hit: Any) -> bool:
+        """A checkpoint can be taken over when the pages a request could not share are referenced by it alone."""
+        return all(self.pages.ref_count(page) == 1 for page in hit.pages[self._shareable_pages(hit) :])
+
+    def _fits(self, seq: Sequence, hit: Any, reused_pages: int) -> bool:
+        """Whether ``seq``'s reservation, less ``reused_pages``, fits free pages plus checkpoints other than ``hit``."""
+        fresh = pages_for(seq.reserved_tokens, self.page_size) - reused_pages
+        available = self.pages.free_count - self.promised
+        return available >= fresh or available + self.cache.reclaimable_pages(keep=hit) >= fresh
+
+    def ensure_pages(self, seq: Sequence, tokens: int) -> None:
+        """Allocate pages (from the reservation) until ``seq`` can hold ``tokens`` tokens."""
+        while len(seq.pages) * self.page_size < tokens:
+            self._allocate(seq)
+
+    def _allocate(self, seq: Sequence) -> int:
+        if seq.promised_pages <= 0:
+            raise RuntimeError(f"request {seq.request_id} outgrew its admission reservation")
+        page = self.pages.allocate()
+        seq.promised_pages -= 1
+        self.promised -= 1
+        seq.pages.append(page)
+        return page
+
+    # -- checkpoints and release -------------------------------------------------------------------
+
+    def capture_prompt(self, seq: Sequence) -> None:
+        """Checkpoint the end of ``seq``'s prompt (its state is copied into a spare slot)."""
+        assert seq.last_logits is not None
+        self.capture_prefix(seq, seq.last_logits)
+
+    def capture_prefix(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Checkpoint ``seq``'s fed tokens; ``logits`` are the next-token logits after the last of them."""
+        assert seq.slot is not None
+        self.cache.capture(
+            seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
+            drafter_snapshot=self._drafter_snapshot(seq),
+        )
+
+    def _drafter_snapshot(self, seq: Sequence) -> Callable[[], Any] | None:
+        """Takes the drafter's snapshot of ``seq`` at ``seq.fed`` when called (None without a resumable drafter)."""
+        resume = self._resume
+        if resume is None:
+            return None
+        return lambda: resume.snapshot(seq)
+
+    def release(self, seq: Sequence, *, checkpoint: bool) -> None:
+        """Free ``seq``'s pages and slot; with ``checkpoint`` first keep its fed prefix as a checkpoint.
+
+        The checkpoint becomes the endpoint of the request's session when that session may replace it. A drafter
+        must still hold ``seq``'s state here (it forgets ``seq`` afterwards) for the checkpoint to keep a snapshot.
+        """
+        if seq.slot is None:
+            return
+        kept = False
+        if checkpoint and seq.fed > 0 and seq.last_logits is not None and seq.last_logits_at == seq.fed:
+            session = seq.request.session
+            endpoint_of = session.key if session is not None and session.may_replace_endpoint else None
+            if endpoint_of is not None:
+                self.host.demote(endpoint_of)
+            kept = self.cache.capture(
+                seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
+                drafter_snapshot=self._drafter_snapshot(seq),
+            )
+        for page in seq.pages:
+            self.pages.release(page)
+        seq.pages = []
+        self.promised -= seq.promised_pages
+        seq.promised_pages = 0
+        if not kept:
+            self.slots.release(seq.slot)
+        seq.slot = None

@@ -1,0 +1,300 @@
+"""The host tier of the context cache: device-evicted checkpoints move to host memory and are restored at admission.
+
+Unit tests drive :class:`HostCache` over small real caches (oracle: the tensors that were stored, the LRU order and
+page-extent arithmetic stated in the brief). Engine tests run requests through the real Engine on the
+ChecksumRuntime, whose outputs expose any KV/state copy mistake (oracle: ``oracle_greedy``), and judge reuse by the
+exact prefix each request reports (``cached_tokens``); the MTP test compares with plain greedy decoding on a tiny
+artifact and checks that the drafter resumes from its first round after a host hit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ninfer.core.request import GenerationRequest, SamplingParams
+
+from ninfer.engine import Engine, EngineConfig
+from ninfer.engine.host_cache import HostCache, HostTierCounters, page_extent_bytes
+from ninfer.engine.memory import EngineMemory
+from ninfer.core.errors import ConfigError
+from ninfer.observability.throughput import IntervalCounts, throughput_fields
+from ninfer.core.runtime import KVCache, StateCache
+from engine_fakes import ChecksumRuntime, idle, oracle_greedy
+
+PAGE = 4
+
+
+# -- HostCache -----------------------------------------------------------------------------------------------------
+
+
+class Device:
+    """Small device-side caches (Main + one companion) filled with distinct values, and a host tier over them."""
+
+    def __init__(self, state_slots: int, budget_pages: int, slots: int = 4, pages: int = 16) -> None:
+        self.state = StateCache(conv=[torch.randn(slots, 3, 2)], ssm=[torch.randn(slots, 2, 2, 2)])
+        self.main = KVCache(PAGE, key=[torch.randn(pages, PAGE, 1, 2)], value=[torch.randn(pages, PAGE, 1, 2)])
+        self.companion = KVCache(PAGE, key=[torch.randn(pages, PAGE, 2, 2)], value=[torch.randn(pages, PAGE, 2, 2)])
+        self.caches = (self.main, self.companion)
+        self.extent = page_extent_bytes(self.caches)
+        self.host = HostCache(state_slots, budget_pages * self.extent, self.state, PAGE)
+
+    def store(self, tokens: list[int], pages: list[int], slot: int = 0, session: str | None = None) -> bool:
+        return self.host.store(tuple(tokens), pages, slot, torch.zeros(3), session, None, self.state, self.caches)
+
+    def held(self) -> list[tuple[int, ...]]:
+        return sorted(entry.tokens for entry in self.host._entries)
+
+
+def tokens(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+def test_a_page_extent_counts_every_layer_of_every_cache():
+    device = Device(state_slots=2, budget_pages=4)
+    main_page = PAGE * 1 * 2 * 4 * 2  # positions * heads * head_dim * fp32 bytes * (key, value)
+    companion_page = PAGE * 2 * 2 * 4 * 2
+    assert device.extent == main_page + companion_page
+
+
+def test_a_stored_checkpoint_restores_its_state_and_kv_exactly():
+    device = Device(state_slots=2, budget_pages=4)
+    assert device.store(tokens(0, 6), [5, 9, 3], slot=1)  # 6 tokens: only pages 5 and 9 are held
+    entry = device.host.lookup(tokens(0, 6) + [42])
+    assert entry is not None and entry.num_pages == 2 and entry.kv_bytes == 2 * device.extent
+    expected_state = [tensor[1].clone() for tensor in (*device.state.conv, *device.state.ssm)]
+    expected_kv = [tensor[[5, 9]].clone() for cache in device.caches for tensor in (*cache.key, *cache.value)]
+    for tensor in (*device.state.conv, *device.state.ssm):  # the device copies are gone (slot and pages reused)
+        tensor[1].zero_()
+    for cache in device.caches:
+        for tensor in (*cache.key, *cache.value):
+            tensor[[5, 9]] = 0
+    device.host.restore(entry, device.state, 2, device.caches, [7, 0])
+    restored_state = [tensor[2] for tensor in (*device.state.conv, *device.state.ssm)]
+    restored_kv = [tensor[[7, 0]] for cache in device.caches for tensor in (*cache.key, *cache.value)]
+    assert all(torch.equal(a, b) for a, b in zip(restored_state, expected_state))
+    assert all(torch.equal(a, b) for a, b in zip(restored_kv, expected_kv))
+    state_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in (*device.state.conv, *device.state.ssm))
+    assert device.host.counters == HostTierCounters(
+        spills=1, hits=1, bytes_to_host=2 * device.extent + state_bytes, bytes_to_device=2 * device.extent + state_bytes
+    )
+
+
+def test_lookup_takes_the_longest_exact_prefix_longer_than_the_device_hit():
+    device = Device(state_slots=4, budget_pages=8)
+    device.store(tokens(0, 4), [0])
+    device.store(tokens(0, 8), [0, 1])
+    device.store([9] * 12, [2, 3, 4])
+    assert device.host.lookup(tokens(0, 10)).tokens == tuple(tokens(0, 8))
+    assert device.host.lookup(tokens(0, 7)).tokens == tuple(tokens(0, 4))
+    assert device.host.lookup(tokens(0, 10), longer_than=8) is None
+    assert device.host.lookup(tokens(1, 10)) is None
+
+
+def test_slots_evict_least_recently_used_anonymous_first_and_endpoints_last():
+    device = Device(state_slots=2, budget_pages=16)
+    a, b, c, d = tokens(0, 4), tokens(10, 4), tokens(20, 4), tokens(30, 4)
+    assert device.store(a, [0], session="chain") and device.store(b, [1])
+    assert device.store(c, [2])  # full: b (anonymous) goes although the endpoint a is older
+    assert device.held() == [tuple(a), tuple(c)]
+    assert device.store(d, [3])  # c is the only anonymous entry
+    assert device.held() == [tuple(a), tuple(d)]
+    device.host.lookup(a)
+    device.store(b, [1], session="other")  # b is an endpoint now: d (anonymous) goes first
+    assert device.held() == [tuple(a), tuple(b)]
+    device.store(c, [2])  # two endpoints: the least recently used one (a) goes
+    assert device.held() == [tuple(b), tuple(c)]
+    assert device.host.counters.evictions == 4 and device.host.counters.dropped == 0
+
+
+def test_the_kv_budget_counts_whole_page_extents():
+    device = Device(state_slots=4, budget_pages=3)
+    assert device.store(tokens(0, 5), [0, 1])  # 5 tokens: 2 pages (1.25 pages of data)
+    assert device.host.used_kv_bytes == 2 * device.extent
+    assert device.store(tokens(10, 4), [2])  # exactly fills the budget
+    assert device.held() == [tuple(tokens(0, 5)), tuple(tokens(10, 4))]
+    assert device.store(tokens(20, 2), [3])  # one more page: the oldest (2 pages) goes although slots are free
+    assert device.held() == [tuple(tokens(10, 4)), tuple(tokens(20, 2))]
+    assert device.host.used_kv_bytes == 2 * device.extent and device.host.counters.evictions == 1
+
+
+def test_a_checkpoint_larger_than_the_whole_budget_is_dropped_without_evicting():
+    device = Device(state_slots=4, budget_pages=3)
+    device.store(tokens(0, 4), [0])
+    assert not device.store(tokens(10, 13), [1, 2, 3, 4])  # 4 pages > 3 pages of budget
+    assert device.held() == [tuple(tokens(0, 4))]
+    assert device.host.counters.dropped == 1 and device.host.counters.evictions == 0
+
+
+def test_storing_an_identical_checkpoint_keeps_one_copy_and_moves_the_endpoint():
+    device = Device(state_slots=4, budget_pages=8)
+    device.store(tokens(0, 4), [0], session="chain")
+    device.store(tokens(10, 4), [1], session="chain")  # a newer endpoint of the same session
+    assert device.host.lookup(tokens(0, 4)).session is None
+    assert device.store(tokens(0, 4), [0])
+    assert len(device.host) == 2 and device.host.counters.spills == 2
+
+
+@pytest.mark.parametrize("state_slots, budget_pages", [(0, 8), (4, 0)])
+def test_either_capacity_zero_disables_the_tier(state_slots, budget_pages):
+    device = Device(state_slots=state_slots, budget_pages=budget_pages)
+    assert not device.host.enabled
+    assert not device.store(tokens(0, 4), [0]) and len(device.host) == 0
+
+
+def test_the_options_are_validated():
+    for name in ("host_state_slots", "host_kv_mib"):
+        with pytest.raises(ConfigError) as error:
+            EngineConfig(**{name: -1})
+        assert error.value.param == name
+
+
+# -- through the Engine ------------------------------------------------------------------------------------------
+
+
+def make_engine(host: bool, runtime: ChecksumRuntime | None = None, **options) -> Engine:
+    config = dict(
+        max_concurrency=1, device_state_slots=1, max_context=256, page_size=PAGE, prefill_chunk=16,
+        pending_timeout_ms=None, host_state_slots=4 if host else 0, host_kv_mib=1 if host else 0,
+    )
+    config.update(options)
+    return Engine(runtime or ChecksumRuntime(), EngineConfig(**config))
+
+
+def run(engine: Engine, prompt: list[int], max_tokens: int = 5):
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    outcome = engine.submit(request).result(10)
+    assert list(outcome.output_token_ids) == oracle_greedy(prompt, max_tokens)  # cold-run oracle
+    return outcome
+
+
+def conversation(engine: Engine):
+    """A's turn, an unrelated B (evicting A's device checkpoint), then A's follow-up; returns (A, follow-up)."""
+    rng = random.Random(3)
+    a_prompt = [rng.randrange(97) for _ in range(11)]
+    a = run(engine, a_prompt)
+    run(engine, [rng.randrange(97) for _ in range(9)])
+    follow_up = a_prompt + list(a.output_token_ids) + [5, 6, 7]
+    return a_prompt, a, run(engine, follow_up)
+
+
+def host_counters(engine: Engine) -> HostTierCounters:
+    return engine.stats().memory.host_tier
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-tier", "control"])
+def test_a_conversation_resumes_from_the_host_tier_after_device_eviction(host):
+    engine = make_engine(host)
+    a_prompt, a, follow_up = conversation(engine)
+    covered = len(a_prompt) + a.completion_tokens - 1  # A's whole fed turn (its last token was never fed)
+    counters = host_counters(engine)
+    if host:
+        assert follow_up.cached_tokens == covered
+        assert counters.hits == 1 and counters.spills >= 2 and counters.bytes_to_device > 0
+    else:
+        assert follow_up.cached_tokens == 0
+        assert counters == HostTierCounters()
+    assert idle(engine) and len(engine._memory.host) == 0  # clearing empties both tiers
+    engine.shutdown()
+
+
+def test_a_prompt_equal_to_a_host_checkpoint_samples_from_its_logits():
+    engine = make_engine(True)
+    rng = random.Random(8)
+    a_prompt = [rng.randrange(97) for _ in range(10)]
+    run(engine, a_prompt)  # the prompt-end checkpoint of A moves to host when A's finish checkpoint is captured
+    run(engine, [rng.randrange(97) for _ in range(7)])
+    again = run(engine, a_prompt)
+    assert again.cached_tokens == len(a_prompt)
+    assert idle(engine)
+    engine.shutdown()
+
+
+def test_a_host_hit_under_page_pressure_evicts_device_checkpoints_and_stays_exact():
+    # 8 pages: B's two device checkpoints hold 4, and the follow-up reserves 6 (18 prompt + 5 output tokens), so
+    # its admission must evict (spill) device checkpoints before restoring A's host checkpoint
+    engine = make_engine(True, kv_capacity=8 * PAGE, device_state_slots=2)
+    a_prompt, a, follow_up = conversation(engine)
+    assert follow_up.cached_tokens == len(a_prompt) + a.completion_tokens - 1
+    memory = engine.stats().memory
+    assert memory.promised_pages == 0 and memory.free_pages + memory.checkpoint_pages == memory.total_pages
+    assert idle(engine)
+    engine.shutdown()
+
+
+def test_the_throughput_event_reports_host_tier_deltas():
+    engine = make_engine(True)
+    conversation(engine)
+    stats = engine.stats()
+    delta = stats.memory.host_tier.minus(HostTierCounters(spills=1))
+    fields = throughput_fields(IntervalCounts(), 1.0, stats, cache_counters=delta)
+    context = fields["context_cache"]
+    assert context["counters"]["host_tier"]["hits"] == 1
+    assert context["counters"]["host_tier"]["spills"] == stats.memory.host_tier.spills - 1
+    assert context["occupancy"]["host_checkpoints"] == len(engine._memory.host) > 0
+    assert context["last_selection"] is None
+    engine.shutdown()
+
+
+def test_prefix_reuse_off_builds_no_host_tier():
+    runtime = ChecksumRuntime()
+    memory = EngineMemory(runtime.spec, EngineConfig(prefix_reuse=False, host_state_slots=8, host_kv_mib=8,
+                                                     max_context=64, page_size=PAGE))
+    assert not memory.host.enabled
+
+
+# -- with speculative decoding (MTP) -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ninfer.core.plugins import load_plugin_manager
+    from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
+    from speculation_support import open_tiny
+
+    registries = load_plugin_manager(entry_points=False).registries
+    path = write_tiny_artifact(
+        tmp_path_factory.mktemp("host-tier") / "tiny.ninfer", TinyOptions(family="qwen3_5", seed=0, mtp=True),
+        registries,
+    )
+    for opened in open_tiny(path, registries):
+        yield opened, registries
+
+
+def test_mtp_drafts_from_the_first_round_after_a_host_hit(tiny):
+    from speculation_support import assert_idle, drafter_for
+    from speculation_support import make_engine as make_tiny_engine
+    from test_drafter_checkpoints import Plain, Steered, greedy
+
+    opened, registries = tiny
+    plain = Plain(opened)  # oracle: plain greedy decoding without reuse; drafts are steered to it
+    rng = random.Random(11)
+    prompt = [rng.randrange(200, 150_000) for _ in range(21)]
+    other = [rng.randrange(200, 150_000) for _ in range(13)]
+    fed_turn = prompt + plain(prompt, 9)[:-1]  # exactly A's finish checkpoint (its last token was never fed)
+
+    def speculative(**options):
+        drafter = Steered(drafter_for(opened, registries, "mtp", 3), plain)
+        engine = make_tiny_engine(opened, drafter, max_concurrency=1, device_state_slots=1, page_size=16, **options)
+        drafter.pages = engine._memory.pages
+        return engine, drafter
+
+    engine, drafter = speculative(prefix_reuse=False)
+    with engine:
+        cold = engine.submit(greedy(fed_turn, 8)).result(60)
+    cold_drafts = drafter.drafts_after(0)
+    engine, drafter = speculative(host_state_slots=4, host_kv_mib=64)
+    with engine:
+        assert list(engine.submit(greedy(prompt, 9)).result(60).output_token_ids) == plain(prompt, 9)
+        engine.submit(greedy(other, 4)).result(60)  # evicts A's device checkpoint to the host tier
+        start = len(drafter.recorded)
+        resumed = engine.submit(greedy(fed_turn, 8)).result(60)
+        resumed_drafts = drafter.drafts_after(start)
+        assert_idle(engine)
+        counters = engine.stats().memory.host_tier
+    assert list(resumed.output_token_ids) == list(cold.output_token_ids) == plain(fed_turn, 8)
+    assert counters.hits == 1 and resumed.cached_tokens == len(fed_turn)
+    assert resumed.speculative.fallback_steps == 0 and resumed.speculative.rounds > 0
+    assert resumed_drafts == cold_drafts  # the restored drafter state drafts what a cold prefill's state does
