@@ -1,6 +1,6 @@
 """The CUDA verify runner and the decode runner against the generic eager path at a preset's real per-layer shapes.
 
-Usage: ``python scripts/check_verify_shapes.py [PRESET] [--layers N] [--vocab V] [--intermediate I] [--draft-tokens K]
+Usage: ``python lab/check_verify_shapes.py [PRESET] [--layers N] [--vocab V] [--intermediate I] [--draft-tokens K]
 [--dtype D] [--full 1]`` (defaults: qwen3.6-27b, 2 layers = one Gated DeltaNet + one full attention, vocab 4096, the
 preset's MLP width, K = 3). Runs on CUDA (bf16 unless ``--dtype``), or on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, fp32: its bf16 ``tl.dot`` is not faithful). With ``--layers`` the preset's own layer order is

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # A/B of whole revisions on the H200, each run in its own fresh process, revisions alternating round by round.
 #
-# Here (a git checkout):   bash scripts/gpu_ab.sh prepare main some-branch [more revisions ...]
+# Here (a git checkout):   bash lab/gpu_ab.sh prepare main some-branch [more revisions ...]
 #   writes each revision's tree (git archive) to scratch/ab/<name> (untracked: it travels with the working tree).
 # On the device (repo root, .whl carried; OUT set):
-#                          bash scripts/gpu_ab.sh run qwen3.6-35b-a3b 3 [TESTS ...]
-#   installs the carried wheels, runs `scripts/gpu_quick.py` of every prepared tree for the preset, ROUNDS times
-#   in alternating order, then the GPU tests TESTS (pytest paths) in every tree but the first (the base), prints a
-#   table of graphs ms and overlapped ms per revision and round, and leaves everything in $OUT/ab.tgz (the device
-#   tool returns at most 8 files).
+#                          bash lab/gpu_ab.sh run qwen3.6-35b-a3b 3 [TESTS ...]
+#   installs the carried wheels, runs `lab/gpu_quick.py` of every prepared tree (each revision needs its own) for
+#   the preset, ROUNDS times in alternating order, then the GPU tests TESTS (pytest paths) in every tree but the
+#   first (the base), prints a table of graphs ms and overlapped ms per revision and round, and leaves everything
+#   in $OUT/ab.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 AB=scratch/ab
 case "${1:-}" in
@@ -34,7 +34,7 @@ run)
   for round in $(seq "$rounds"); do
     for name in $trees; do
       log="$OUT/ab/${name}_$round"
-      (cd "$AB/$name" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 scripts/gpu_quick.py "$log" "$preset") \
+      (cd "$AB/$name" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 lab/gpu_quick.py "$log" "$preset") \
         > "$log.log" 2>&1
       echo "== $name round $round: exit $?"; tail -n 1 "$log.log"
     done

@@ -1,15 +1,15 @@
 """Where a batch-1 decode step's time goes beyond the bare graph replay, and the prefill TTFT (CUDA only).
 
 Usage (on a CUDA machine):
-``python scripts/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] [--segments=1,4] qwen3.6-27b [...]``
+``python lab/gpu_host_overhead.py OUT_DIR [--ttft-only | --decode-only] [--segments=1,4] qwen3.6-27b [...]``
 
 For each preset (random bf16 weights, no transformers model) and each ``graph_segments`` value it measures, per
 decode step at 256 tokens of context:
 
 * ``bench``: the benchmark's step (``ninfer.bench.synthetic``: host-built ForwardBatch, ``runtime.forward``, greedy
   argmax on the GPU, token to the host);
-* ``engine``: the same step with the batch built the way the engine's executor builds it (tensors created on the
-  device from Python lists, one sync per tensor);
+* ``engine``: the same step with the batch's tensors created on the device from Python lists (one transfer per
+  tensor; the engine itself builds host tensors, ``ninfer.engine.batching.build_batch``);
 * ``replay``: the captured graphs replayed back to back (no host work);
 * ``replay+sync``: each replay followed by a device sync (launch latency exposed, no other host work);
 * ``launch``: host time of the replay call alone; ``prep``: host time of ``runtime.forward`` (checks, staging,
@@ -41,7 +41,7 @@ CONTEXT = 256
 
 
 def engine_like_batch(rows: Rows, token: int, device: torch.device) -> ForwardBatch:
-    """One decode row built like ``ninfer.engine.executor.Executor._batch`` builds it (device tensors)."""
+    """One decode row whose tensors are created on the device from Python lists."""
     context = rows.lengths[0]
     table = torch.zeros((1, rows.page_tables.shape[1]), dtype=torch.int32)
     table[0] = torch.tensor(rows.page_tables[0].tolist(), dtype=torch.int32)

@@ -1,6 +1,6 @@
 """Host and device timeline of one benchmark prefill (CUDA only): where TTFT goes beyond the kernels.
 
-Usage (repo root): ``python scripts/gpu_prefill_trace.py OUT_DIR qwen3.6-27b [prompt_len]``. Builds the preset with
+Usage (repo root): ``python lab/gpu_prefill_trace.py OUT_DIR qwen3.6-27b [prompt_len]``. Builds the preset with
 random bf16 weights, warms up as ``bench_ninfer_prefill`` does, then profiles one prefill of ``prompt_len`` tokens
 (default 8192) into fresh caches with torch.profiler (CPU and CUDA) and prints the host ops by self CPU time, the
 wall time against the device's busy time, the host time before the first kernel and after the last, and the
@@ -9,11 +9,12 @@ longest idle gaps on the device with the host op running when each began. Writes
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 from pathlib import Path
 
 import torch
-from gpu_step_trace import device_intervals, export_trace, host_ops
 from torch.profiler import ProfilerActivity, profile
 
 from ninfer.bench.synthetic import Rows
@@ -21,6 +22,34 @@ from ninfer.plugins.qwen3_5.model.synthetic import random_runtime
 
 MARK = "prefill"
 GAPS = 20
+
+
+def export_trace(prof: profile, path: Path) -> dict:
+    """The profiler's Chrome trace, written gzipped beside ``path`` (``<path>.gz``) and returned."""
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    with gzip.open(path.with_name(path.name + ".gz"), "wt") as handle:
+        json.dump(trace, handle)
+    path.unlink()
+    return trace
+
+
+def device_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel, memcpy and memset on the device, in start order."""
+    return sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+
+
+def host_ops(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every host op, runtime and driver call and annotation, in start order."""
+    return sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+    )
 
 
 def timeline(trace: dict) -> list[str]:

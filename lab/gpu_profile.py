@@ -1,6 +1,6 @@
 """Device time per kernel of one captured batch-1 decode step (CUDA graph replays under torch.profiler).
 
-Usage (CUDA machine): ``python scripts/gpu_profile.py OUT_DIR qwen3.6-35b-a3b [rows ...]``. Prints, per preset and
+Usage (CUDA machine): ``python lab/gpu_profile.py OUT_DIR qwen3.6-35b-a3b [rows ...]``. Prints, per preset and
 batch size, the kernels sorted by device time per step and the sum, and writes ``profile_<preset>_<rows>.json``.
 """
 

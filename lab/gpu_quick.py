@@ -1,9 +1,10 @@
-"""One short H200 pass over the headline numbers: batch-1 and 8-row decode, the batch-1 step overlapped as the
-engine's ``overlap_decode`` runs it, TTFT at 8192 (the runtime's default CUDA traversal, the Triton one) and the
-prefill's top kernels.
+"""The headline numbers of the given presets in one short pass on a CUDA machine (decode, TTFT, prefill kernels).
 
-Usage (CUDA machine): ``python scripts/gpu_quick.py OUT qwen3.6-27b qwen3.6-35b-a3b``. Random bf16 weights, no
-transformers model; same protocol as ``scripts/gpu_host_overhead.py`` (256 tokens of context, 32 timed steps).
+Batch-1 and 8-row decode, the batch-1 step overlapped as the engine's ``overlap_decode`` runs it, TTFT at 8192 (the
+runtime's default CUDA traversal, the Triton one) and the prefill's top kernels.
+
+Usage (CUDA machine): ``python lab/gpu_quick.py OUT qwen3.6-27b qwen3.6-35b-a3b``. Random bf16 weights, no
+transformers model; same protocol as ``lab/gpu_host_overhead.py`` (256 tokens of context, 32 timed steps).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The GPU tests of the verify path, then the cost of one speculative MTP round on random weights (issue #10).
 
 Usage (on a CUDA machine, from the repo root):
-``python scripts/gpu_spec_bench.py OUT_DIR [PRESET ...] [--draft-tokens K] [--rows 1,4] [--parts a,b] [--tests a,b]``
+``python lab/gpu_spec_bench.py OUT_DIR [PRESET ...] [--draft-tokens K] [--rows 1,4] [--parts a,b] [--tests a,b]``
 (default preset qwen3.6-27b, K = 3, rows 1 and 4, every part, the tests below; ``--tests ''`` runs none).
 Logs and JSON go to OUT_DIR:
 
-* ``tests.log``: ``tests/test_verify_graph.py``, ``tests/test_mtp_fused.py``, ``tests/test_bench_spec.py`` and the
-  decode-path kernel tests;
+* ``tests.log``: ``tests/plugins/qwen3_5/test_verify_graph.py``, ``test_mtp_fused.py``,
+  ``tests/bench/test_bench_spec.py`` and the decode-path kernel tests;
 * ``spec_<preset>.json`` and the printed tables, for one runtime built once per preset:
   - ``verify_vs_generic`` (always): relative error of one 2-row verify forward (q = K+1) through the CUDA verify
     runner against the generic eager path on the same caches (logits, hidden states, per-token states, final
@@ -38,11 +38,11 @@ from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
 
 TESTS = [
-    "tests/test_verify_graph.py",
-    "tests/test_mtp_fused.py",
-    "tests/test_bench_spec.py",
-    "tests/test_triton_kernels.py",
-    "tests/test_decode_graph.py",
+    "tests/plugins/qwen3_5/test_verify_graph.py",
+    "tests/plugins/qwen3_5/test_mtp_fused.py",
+    "tests/bench/test_bench_spec.py",
+    "tests/kernels/test_triton_kernels.py",
+    "tests/plugins/qwen3_5/test_decode_graph.py",
 ]
 
 

@@ -7,7 +7,6 @@ the first time a command (or its ``--help``) needs the registries; ``ctx.obj`` m
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import sys
@@ -20,7 +19,7 @@ from ninfer import __version__
 from ninfer.bench.engine import bench_command
 from ninfer.core.config import ServeConfig, option_flag, serve_options
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError
-from ninfer.core.plugins import PluginManager, load_plugin_manager
+from ninfer.core.plugins import PluginManager, process_plugin_manager
 
 _ARGV_KEY = "ninfer.argv"
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -29,19 +28,14 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 # -- plugin manager and lazy choices ---------------------------------------------------------------
 
 
-@functools.cache
-def _process_plugin_manager() -> PluginManager:
-    return load_plugin_manager()
-
-
 def plugin_manager(ctx: click.Context | None = None) -> PluginManager:
     """The invocation's plugin manager: ``ctx.obj`` of the root context, loaded on first use."""
     ctx = ctx or click.get_current_context(silent=True)
     if ctx is None:
-        return _process_plugin_manager()
+        return process_plugin_manager()
     root = ctx.find_root()
     if root.obj is None:
-        root.obj = _process_plugin_manager()
+        root.obj = process_plugin_manager()
     return root.obj
 
 
@@ -219,7 +213,7 @@ def artifact_inspect(ctx: click.Context, file: str, as_json: bool) -> None:
     from ninfer.core.artifact.container import open_model_source
 
     registries = plugin_manager(ctx).registries
-    with open_model_source(file) as opened:
+    with open_model_source(file, registries) as opened:
         summary = describe_artifact(opened, registries)
     if as_json:
         click.echo(json.dumps({"path": file, **summary}, indent=2))

@@ -15,11 +15,10 @@ import attrs
 
 from ninfer.core.request import GenerationRequest, SamplingParams
 
-from ninfer.engine import EngineConfig, RequestHandle, StopMatch, Usage
+from ninfer.engine import EngineConfig, RequestHandle, RequestTimings, StopMatch, Usage
 from ninfer.server.compose import LoadedModel, load_engine
 from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.request import SAMPLER_FIELDS
-from ninfer.engine.timings import RequestTimings
 from ninfer.core.errors import InvalidRequestError
 from ninfer.core.runtime import LoadOptions
 

@@ -25,7 +25,6 @@ replayed. Measured per concurrency, medians over the timed rounds:
 from __future__ import annotations
 
 import json as json_module
-import math
 import statistics
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence as Seq, Union
@@ -34,25 +33,20 @@ import attrs
 import torch
 
 from ninfer.bench.synthetic import Clock, bench_ninfer_decode
-from ninfer.engine.admission import AdmissionController
-from ninfer.engine.batching import build_batch
-from ninfer.engine.commit import commit_sampled
-from ninfer.engine.handle import RequestHandle
-from ninfer.engine.host_work import HostWorkClock
-from ninfer.core.request import GenerationRequest, SamplingParams
-from ninfer.engine.sampler import RowSampler
-from ninfer.engine.sequence import Sequence
-from ninfer.engine.speculative import SpeculativeRound
-from ninfer.engine.stops import OutputText
-from ninfer.engine.timings import SpeculativeCounters
+from ninfer.core.drafting import Drafter, DraftRow
 from ninfer.core.errors import ConfigError
-from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache
+from ninfer.engine import RoundHarness
+from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, ModelRuntime, StateCache
 from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
-from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_mtp_weights, random_text_weights
+from ninfer.plugins.qwen3_5.model.synthetic import (
+    InMemorySource,
+    build_runtime,
+    random_mtp_weights,
+    random_text_weights,
+)
 
-PAGE_SIZE = 16
 SPEC_BACKENDS = ("mtp",)
 Acceptance = Literal["zero", "full"]
 Forcing = Union[Acceptance, int]  # "zero", "full", or how many drafts each row accepts
@@ -158,7 +152,7 @@ class TimedDrafter:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._drafter, name)
 
-    def draft(self, rows: Seq[Sequence], counts: Seq[int]) -> Any:
+    def draft(self, rows: Seq[DraftRow], counts: Seq[int]) -> Any:
         if not self.timing:
             return self._drafter.draft(rows, counts)
         device = self._drafter.runtime.model.device
@@ -170,74 +164,13 @@ class TimedDrafter:
         return drafts
 
 
-def bench_sequence(index: int, prompt: list[int], max_output: int, slot: int, pages: list[int],
-                   runtime: Qwen35Runtime, draft_tokens: int) -> Sequence:
-    """A decoding sequence as the engine keeps one: greedy, no stop tokens, its own slot and pages."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_output, ignore_eos=True, seed=index)
-    ticket = AdmissionController(1, 0, None).reserve()
-    return Sequence(
-        request_id=f"bench-{index}",
-        request=GenerationRequest(tuple(prompt), params),
-        handle=RequestHandle(f"bench-{index}", ticket, lambda: None),
-        ticket=ticket,
-        sampler=RowSampler(params, index, runtime.spec.vocab_size, runtime.spec.device),
-        text=OutputText(None, ()),
-        stop_token_ids=frozenset(),
-        max_output=max_output,
-        tokens=list(prompt),
-        prompt_len=len(prompt),
-        phase="decoding",
-        slot=slot,
-        pages=pages,
-        speculative=SpeculativeCounters("mtp", draft_tokens),
-    )
+class SpecRows(RoundHarness):
+    """The engine's round harness with a timed drafter and a timed, acceptance-forcing runtime."""
 
-
-class SpecRows:
-    """Sequences prefilled with ``prompts`` and decoded by the engine's ``SpeculativeRound`` with a timed drafter
-    and runtime. ``rounds`` bounds how many rounds (of up to k+1 tokens each) the caches must hold."""
-
-    def __init__(self, runtime: Qwen35Runtime, drafter: MTPDrafter, prompts: torch.Tensor, rounds: int) -> None:
-        count, prompt_len = prompts.shape
-        k = drafter.draft_tokens
-        max_output = rounds * (k + 1) + k + 2
-        pages_per_row = math.ceil((prompt_len + max_output + k + 1) / PAGE_SIZE)
-        num_pages = count * pages_per_row
-        self.device = runtime.spec.device
-        self.kv = KVCache.allocate(runtime.spec, num_pages, PAGE_SIZE)
-        self.state = StateCache.allocate(runtime.spec, count)
-        drafter.bind(num_pages, PAGE_SIZE)
-        self.drafter = drafter
-        self.timed_runtime = TimedRuntime(runtime)
-        self.timed_drafter = TimedDrafter(drafter)
-        self.sequences = [
-            bench_sequence(
-                row, prompts[row].tolist(), max_output, row,
-                list(range(row * pages_per_row, (row + 1) * pages_per_row)), runtime, k,
-            )
-            for row in range(count)
-        ]
-        self.round = SpeculativeRound(
-            self.timed_runtime, self.timed_drafter, self.kv, self.state,  # type: ignore[arg-type]
-            self._ensure_pages, None, HostWorkClock(),
-        )
-        with torch.no_grad():
-            for seq in self.sequences:
-                self._prefill(runtime, seq)
-
-    def _ensure_pages(self, seq: Sequence, tokens: int) -> None:
-        if tokens > len(seq.pages) * PAGE_SIZE:
-            raise ConfigError(f"the benchmark sized {len(seq.pages) * PAGE_SIZE} KV tokens per row, {tokens} needed")
-
-    def _prefill(self, runtime: Qwen35Runtime, seq: Sequence) -> None:
-        """The executor's drafting prefill: hidden states of every prompt position to the drafter, first token."""
-        batch = build_batch([seq], [seq.tokens], "none", return_hidden=True)
-        output = runtime.forward(batch, self.kv, self.state)
-        assert output.hidden is not None
-        self.drafter.observe(seq, 0, output.hidden)
-        seq.fed = seq.prompt_len
-        token = int(self.drafter.target_logits(output.hidden[-1:])[0].argmax())
-        commit_sampled(seq, token, time.monotonic())
+    def round_parts(self, runtime: ModelRuntime, drafter: Drafter) -> tuple[Any, Any]:
+        self.timed_runtime = TimedRuntime(runtime)  # type: ignore[arg-type]
+        self.timed_drafter = TimedDrafter(drafter)  # type: ignore[arg-type]
+        return self.timed_runtime, self.timed_drafter
 
     def run_round(self, force: Forcing, *, instrumented: bool) -> float:
         """One round with the given forced acceptance; returns its ms (device-synced around it)."""
@@ -245,8 +178,7 @@ class SpecRows:
         self.timed_runtime.timing = self.timed_drafter.timing = instrumented
         _sync(self.device)
         start = time.perf_counter()
-        with torch.no_grad():
-            finished = self.round.run(self.sequences, time.monotonic)
+        finished = self.run()
         _sync(self.device)
         elapsed = (time.perf_counter() - start) * 1e3
         if finished:
@@ -259,13 +191,6 @@ class SpecRows:
         k = self.drafter.draft_tokens
         for accepted in [*range(k + 1), *range(k + 1), 0]:
             self.run_round(accepted, instrumented=False)
-
-    def accepted_tokens(self) -> int:
-        return sum(seq.speculative.accepted_tokens for seq in self.sequences if seq.speculative is not None)
-
-    def close(self) -> None:
-        for seq in self.sequences:
-            self.drafter.forget(seq)
 
 
 def measure_rounds(rows: SpecRows, force: Acceptance, rounds: int, warmup: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ninfer.engine.sampler import greedy_token_ids
+from ninfer.engine import greedy_token_ids
 from ninfer.kernels.transfer import HostCopy
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
@@ -187,18 +187,17 @@ def bench_ninfer_decode(
     prompt, ms of one bare graph replay back to back, without host work, or None without graphs).
 
     The clock starts when the first of ``steps + 1`` consecutive steps has finished on the device: the time the
-    host takes to launch a loop's first step (0.24-0.45 ms once, 8-14 µs per step of 32 on the H200 with 35B-A3B,
-    ``scripts/gpu_decode_fill.py``) is not a per-token cost, and transformers' decode time (``bench_transformers``,
-    a difference of two ``generate`` calls) leaves its fixed costs out too.
+    host takes to launch a loop's first step (0.24-0.45 ms once, 8-14 µs per step of 32 on the H200 with 35B-A3B)
+    is not a per-token cost, and transformers' decode time (``bench_transformers``, a difference of two ``generate``
+    calls) leaves its fixed costs out too.
 
     ``overlap``: each timed step is launched on the previous step's ids while they are still on the device, and the
     host then waits only for their copy (the engine's ``overlap_decode``); otherwise every step waits for its tokens
     on the host before the next is built.
 
     The ``warmup`` steps before the timed ones (the first captures the graph, the others run the timed loop: its
-    first overlapped steps allocate pinned buffers) let the process settle: the first timed
-    steps of a fresh process after only 3 of them ran ~30 ms slower in all (H200, 27B: 14.6 vs 14.2 ms per step
-    over 64 steps, ``scripts/gpu_gc_check.py``)."""
+    first overlapped steps allocate pinned buffers) let the process settle: after only 3 of them the first timed
+    steps of a fresh process run ~30 ms slower in all (H200, 27B: 14.6 against 14.2 ms per step over 64 steps)."""
     rows = Rows(runtime, prompts.shape[0], prompts.shape[1] + warmup + steps + 2)
     with torch.no_grad():
         tokens = rows.forward(list(prompts))

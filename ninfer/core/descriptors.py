@@ -13,8 +13,15 @@ import attrs
 from ninfer.core.errors import NotYetAvailableError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.artifact.container import Manifest, TensorInfo
+    from ninfer.core.artifact.container import Manifest, ModelSource, TensorInfo
     from ninfer.core.artifact.hf_directory import FusedTensor
+    from ninfer.core.artifact.tiny import TinyModel, TinyOptions
+    from ninfer.core.config import ServeConfig
+    from ninfer.core.drafting import Drafter, SpeculativeConfig
+    from ninfer.core.frontend import Frontend
+    from ninfer.core.runtime import LoadOptions, ModelRuntime
+    from ninfer.core.serving import ServerView
+    from ninfer.core.tokenizer import Tokenizer
 
 
 def _not_available(kind: str, name: str, detail: str) -> NotYetAvailableError:
@@ -57,9 +64,9 @@ class ModelFamily:
     description: str = ""
     model_types: tuple[str, ...] = ()
     expected_weights: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
-    load_runtime: Callable[..., Any] | None = None
-    build_frontend: Callable[..., Any] | None = None
-    make_tiny: Callable[..., Any] | None = None
+    load_runtime: Callable[["ModelSource", "LoadOptions"], "ModelRuntime"] | None = None
+    build_frontend: Callable[["ModelSource", "ServeConfig", "Tokenizer"], "Frontend"] | None = None
+    make_tiny: Callable[["TinyOptions"], "TinyModel"] | None = None
     sampling_presets: Callable[["Manifest"], Mapping[str, SamplingPreset]] | None = None
     checkpoint_layout: (
         Callable[[Mapping[str, Any], Mapping[str, "TensorInfo"]], Mapping[str, "FusedTensor"]] | None
@@ -87,7 +94,10 @@ class SpeculativeBackend:
 
     ``companion_prefix`` names the tensor prefix its drafter weights use in the artifact (``mtp.``,
     ``dflash.``...). ``build_drafter(runtime, artifact, config)`` builds the drafter; ``None`` means the
-    backend is registered but not yet available.
+    backend is registered but not yet available. ``open_companion(path)`` (optional) opens a separately
+    published drafter checkpoint for ``ninfer convert --NAME DIR``: the returned object checks the target
+    (``check_target(manifest)``), records itself in the manifest (``manifest_with_companion(manifest)``), yields
+    its tensor entries (``entries()``) and is closed after the write (``close()``).
     """
 
     name: str
@@ -96,7 +106,8 @@ class SpeculativeBackend:
     companion_prefix: str
     description: str = ""
     supports_lm_head_draft: bool = True
-    build_drafter: Callable[..., Any] | None = None
+    build_drafter: Callable[["ModelRuntime", "ModelSource", "SpeculativeConfig"], "Drafter"] | None = None
+    open_companion: Callable[[Any], Any] | None = None
 
     def validate_draft_tokens(self, draft_tokens: int) -> None:
         if not self.min_draft_tokens <= draft_tokens <= self.max_draft_tokens:
@@ -112,6 +123,11 @@ class SpeculativeBackend:
         if self.build_drafter is None:
             raise _not_available("speculative backend", self.name, "its drafter has not been implemented")
         return self.build_drafter
+
+    def require_companion(self) -> Callable[..., Any]:
+        if self.open_companion is None:
+            raise _not_available("speculative backend", self.name, "it has no separately published drafter to convert")
+        return self.open_companion
 
 
 @attrs.frozen
@@ -152,15 +168,16 @@ class Route:
 class ProtocolAdapter:
     """A set of HTTP routes mounted on the falcon app, e.g. OpenAI Chat Completions.
 
-    ``mount(app, server)`` adds the routes to a ``falcon.asgi.App``; ``None`` means not yet available.
+    ``mount(app, server)`` adds the routes to a ``falcon.asgi.App``; ``server`` is the running server's
+    :class:`~ninfer.core.serving.ServerView`. ``None`` means not yet available.
     """
 
     name: str
     routes: tuple[Route, ...]
     description: str = ""
-    mount: Callable[..., Any] | None = None
+    mount: Callable[[Any, "ServerView"], None] | None = None
 
-    def require_mount(self) -> Callable[..., Any]:
+    def require_mount(self) -> Callable[[Any, "ServerView"], None]:
         if self.mount is None:
             raise _not_available("protocol adapter", self.name, "its HTTP routes have not been implemented")
         return self.mount

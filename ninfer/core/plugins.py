@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from importlib.metadata import distributions
@@ -65,6 +66,15 @@ def _lookup(table: Mapping[str, T], name: str, kind: str, option: str) -> T:
         return table[name]
     except KeyError:
         raise ConfigError(f"unknown {kind} {name!r} for {option}; choose one of: {', '.join(table)}") from None
+
+
+#: Registries field -> (registration hook, the kind named in errors and ``ninfer plugins list``).
+_REGISTRATIONS = {
+    "model_families": ("ninfer_model_families", "model family"),
+    "speculative_backends": ("ninfer_speculative_backends", "speculative backend"),
+    "kv_dtypes": ("ninfer_kv_dtypes", "KV dtype"),
+    "protocol_adapters": ("ninfer_protocol_adapters", "protocol adapter"),
+}
 
 
 class PluginManager:
@@ -140,12 +150,13 @@ class PluginManager:
             self._registries = self._build_registries()
         return self._registries
 
-    def _collect(self, hook_name: str, kind: str, owners: dict[tuple[str, str], str]) -> dict[str, Any]:
-        table: dict[str, Any] = {}
+    def _collect(self, hook_name: str, kind: str, registries: Registries, table: dict[str, Any]) -> None:
         hook = getattr(self.pm.hook, hook_name)
+        owners = registries.owners
         # get_hookimpls() lists implementations in registration order, so built-ins come first.
         for impl in hook.get_hookimpls():
-            for descriptor in impl.function() or ():
+            arguments = {"registries": registries} if "registries" in impl.argnames else {}
+            for descriptor in impl.function(**arguments) or ():
                 name = descriptor.name
                 if name in table:
                     raise PluginError(
@@ -154,17 +165,15 @@ class PluginManager:
                     )
                 table[name] = descriptor
                 owners[(kind, name)] = impl.plugin_name
-        return table
 
     def _build_registries(self) -> Registries:
-        owners: dict[tuple[str, str], str] = {}
-        return Registries(
-            model_families=self._collect("ninfer_model_families", "model family", owners),
-            speculative_backends=self._collect("ninfer_speculative_backends", "speculative backend", owners),
-            kv_dtypes=self._collect("ninfer_kv_dtypes", "KV dtype", owners),
-            protocol_adapters=self._collect("ninfer_protocol_adapters", "protocol adapter", owners),
-            owners=owners,
-        )
+        """Collect every registration hook into one Registries. A hook that takes ``registries`` receives this
+        object while it is being filled: it may keep it and look other plugins' descriptors up when called."""
+        tables: dict[str, dict[str, Any]] = {field: {} for field in _REGISTRATIONS}
+        registries = Registries(**tables, owners={})
+        for field, (hook_name, kind) in _REGISTRATIONS.items():
+            self._collect(hook_name, kind, registries, tables[field])
+        return registries
 
     @property
     def hook(self) -> Any:
@@ -227,3 +236,15 @@ def load_plugin_manager(*, entry_points: bool = True, environ: Mapping[str, str]
     manager.check()
     manager.registries  # build now so duplicate names fail at startup
     return manager
+
+
+@functools.cache
+def process_plugin_manager() -> PluginManager:
+    """The process's plugin manager, built on first use and shared by every entry point that is not handed one
+    (the CLI, the offline ``LLM`` API)."""
+    return load_plugin_manager()
+
+
+def given_or_process(registries: Registries | None) -> Registries:
+    """``registries`` when a caller passes them (every entry point does), else the process's."""
+    return registries if registries is not None else process_plugin_manager().registries

@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 
 import attrs
 
-from ninfer.engine.host_work import HostWorkClock, Phase, WorkClass
+from ninfer.engine.host_work import HostWorkClock, HostPhase, WorkClass
 from ninfer.engine.events import FinishReason, StopMatch, TokensEvent
 from ninfer.engine.sequence import Sequence
 
@@ -53,7 +53,7 @@ def commit_sampled(seq: Sequence, token: int, now: float) -> Finish | None:
 def commit_timed(clock: HostWorkClock, seq: Sequence, token: int, now: float, work_class: int) -> Finish | None:
     """:func:`commit_sampled` timed in ``engine_commit_output`` of ``work_class``, or of the control class when the
     commit triggered a control insert."""
-    clock.switch(Phase.ENGINE_COMMIT_OUTPUT, work_class)
+    clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, work_class)
     control_units = seq.control_units
     finish = commit_sampled(seq, token, now)
     if seq.control_units != control_units:

@@ -25,7 +25,7 @@ import torch
 from ninfer.engine.batching import build_ahead_batch, build_batch
 from ninfer.engine.commit import Finish, commit_timed
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.host_work import Detail, HostWorkClock, HostWorkTotals, Phase, RequestHostWork, WorkClass
+from ninfer.engine.host_work import Detail, HostWorkClock, HostWorkTotals, HostPhase, RequestHostWork, WorkClass
 from ninfer.engine.memory import EngineMemory
 from ninfer.engine.events import AdmittedEvent, ProgressEvent
 from ninfer.engine.sampler import plain_greedy, sample_token_ids, sample_tokens
@@ -163,7 +163,7 @@ class Executor:
             while True:
                 self._wake.clear()
                 clock.charge(self._lanes())
-                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
                 if self._drain_inbox():
                     break
                 self._boundary()
@@ -191,7 +191,7 @@ class Executor:
         """Hand the worker totals (closed segments so far) to other threads: one reference assignment."""
         clock = self.clock
         clock.charge(())
-        clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+        clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
         with clock.detail(Detail.STATS_PUBLICATION):
             self.host_work = clock.totals(self.decode_rounds, self.decode_row_rounds)
 
@@ -205,13 +205,13 @@ class Executor:
             if isinstance(item, _Stop):
                 return True
             if isinstance(item, _Call):
-                self.clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+                self.clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
                 try:
                     item.result = item.fn()
                 except BaseException as exc:
                     item.error = exc
                 item.done.set()
-                self.clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                self.clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
             else:
                 self.scheduler.waiting.append(item)
 
@@ -228,16 +228,16 @@ class Executor:
         for seq in list(self.scheduler.waiting):
             if seq.handle.cancel_requested:
                 self._finish(seq, Finish("cancelled"))
-                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
             elif seq.ticket.expired(now):
                 self.scheduler.remove(seq)
-                clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
                 seq.handle.fail(seq.ticket.timeout_error())
-                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
             if seq.handle.cancel_requested:
                 self._finish(seq, Finish("cancelled"))
-                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         while (head := self.scheduler.head_admissible()) is not None:
             with clock.detail(Detail.ADMISSION):
                 admitted = self.memory.try_admit(head, reuse=self.config.prefix_reuse)
@@ -249,7 +249,7 @@ class Executor:
                 clock.charge((head.host_work,))
                 self._after_prompt(head)
                 clock.charge(self._lanes())
-                clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+                clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
 
     def _lanes(self) -> list[RequestHostWork]:
         """The exposure records of the requests holding a lane (the members of a boundary pass)."""
@@ -263,10 +263,10 @@ class Executor:
         clock.join(seq.host_work)
         seq.budget_open = seq.request.budget_close is not None
         self.scheduler.admitted(seq)
-        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
+        clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
         seq.handle.publish(AdmittedEvent(seq.prompt_len, seq.cache_n, now))
         self._progress(seq, now)
-        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+        clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         if seq.fed == seq.prompt_len:
             seq.prompt_done_at = now
 
@@ -276,7 +276,7 @@ class Executor:
         """One prompt chunk of ``seq`` (every segment is charged to it, prefill class unless maintenance)."""
         clock = self.clock
         clock.charge((seq.host_work,))
-        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.PREFILL)
+        clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.PREFILL)
         start = seq.fed
         end = min(start + self.config.prefill_chunk, seq.prompt_len)
         frontier = self._checkpoint_frontier(seq, start, end)
@@ -295,21 +295,21 @@ class Executor:
                 [seq], [seq.tokens[start : start + count]], logits="none", return_hidden=True,
                 capture_layers=capture_layers(drafter),
             )
-        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.PREFILL)  # the drafter's LM head and observation are programs too
+        clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.PREFILL)  # the drafter's LM head and observation are programs too
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
         logits = self._chunk_logits(output) if last or frontier is not None else None
         features = None if drafter is None else observed_features(drafter, output)
         if drafter is not None and features is not None:
             drafter.observe(seq, start, features)
-        clock.switch(Phase.PROGRAM_POST, WorkClass.PREFILL)
+        clock.switch(HostPhase.PROGRAM_POST, WorkClass.PREFILL)
         seq.fed = start + count
         now = time.monotonic()
         if frontier is not None:
             assert logits is not None
-            clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+            clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
             with clock.detail(Detail.CONTEXT_TRANSACTION):
                 self.memory.capture_prefix(seq, logits)
-        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.PREFILL)
+        clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.PREFILL)
         self._progress(seq, now)
         if not last:
             return
@@ -317,7 +317,7 @@ class Executor:
         seq.last_logits = logits
         seq.last_logits_at = seq.fed
         if self.config.prefix_reuse:
-            clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+            clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
             with clock.detail(Detail.CONTEXT_TRANSACTION):
                 self.memory.capture_prompt(seq)
         self._after_prompt(seq)
@@ -341,11 +341,11 @@ class Executor:
         if seq.max_output == 0:
             self._finish(seq, Finish("length"))
             return
-        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.PREFILL)
+        clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.PREFILL)
         self.scheduler.start_decoding(seq)
         assert seq.last_logits is not None
         clock.await_device(self._device, WorkClass.PREFILL)
-        clock.switch(Phase.PROGRAM_POST, WorkClass.PREFILL)
+        clock.switch(HostPhase.PROGRAM_POST, WorkClass.PREFILL)
         token = sample_tokens(seq.last_logits[None, :], [seq.sampler], self._vocab_limit)[0]
         self._commit(seq, token, time.monotonic(), WorkClass.PREFILL)
 
@@ -356,7 +356,7 @@ class Executor:
         clock = self.clock
         rows = list(step.rows)
         clock.charge(seq.host_work for seq in rows)
-        clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
+        clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.DECODE)
         self.decode_rounds += 1
         self.decode_row_rounds += len(rows)
         for seq in rows:
@@ -411,11 +411,11 @@ class Executor:
             for seq in behind:
                 self.memory.ensure_pages(seq, len(seq.tokens))
             batch = build_batch(behind, [seq.tokens[seq.fed :] for seq in behind], logits="last")
-            clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+            clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
             output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
         if wait:
             clock.await_device(self._device, WorkClass.DECODE)
-        clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+        clock.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
         for index, seq in enumerate(behind):
             seq.fed = len(seq.tokens)
             seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
@@ -459,16 +459,16 @@ class Executor:
         vocab = self.runtime.spec.vocab_size
         greedy_below = min(self._vocab_limit or vocab, vocab) if plain_greedy(samplers) else None
         batch = build_ahead_batch(rows, ids, stops, greedy_below)
-        clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+        clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
         output = self.runtime.forward(batch, self.memory.kv, self.memory.state)
         for index, seq in enumerate(rows):
             if feeds[index]:
                 seq.fed = len(seq.tokens) + 1  # the token committed next
                 seq.last_logits, seq.last_logits_at = output.logits[index], seq.fed
         self._ahead = AheadRound(tuple(rows), output.logits, output.greedy_ids)
-        clock.switch(Phase.DEVICE_WAIT, WorkClass.DECODE)
+        clock.switch(HostPhase.DEVICE_WAIT, WorkClass.DECODE)
         tokens = host_ids.wait().tolist()
-        clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+        clock.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
         return tokens, feeds
 
     def _commit(self, seq: Sequence, token: int, now: float, work_class: int) -> None:
@@ -492,13 +492,13 @@ class Executor:
         The finish instant is taken after the request's last charged segment, so its exposure lies between its
         admission and its finish."""
         clock = self.clock
-        clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+        clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
         self.scheduler.remove(seq)
         with clock.detail(Detail.CONTEXT_TRANSACTION, enabled=self.config.prefix_reuse and seq.slot is not None):
             self.memory.release(seq, checkpoint=self.config.prefix_reuse)  # may keep the drafter's snapshot
         if self.drafter is not None:
             self.drafter.forget(seq)
-        clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
+        clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)
         clock.settle()
         seq.handle.finish(seq.outcome(finish.reason, finish.stop, time.monotonic()))
 

@@ -3,7 +3,7 @@
 The executor thread owns one :class:`HostWorkClock`. :meth:`HostWorkClock.switch` closes the open segment and opens
 the next, so segments never overlap and nothing between two switches is lost; :meth:`HostWorkClock.idle` closes the
 open segment without opening another (waiting for work is not host work). A segment is one of the five host phases
-or the blocking device wait (:class:`Phase`), and one work class (:class:`WorkClass`); both are plain ints, so
+or the blocking device wait (:class:`HostPhase`), and one work class (:class:`WorkClass`); both are plain ints, so
 a switch stays a handful of integer operations.
 
 Two views are kept from the same segments:
@@ -30,7 +30,7 @@ import torch
 from ninfer.engine.timings import HostExposure
 
 
-class Phase:
+class HostPhase:
     """The five mutually exclusive host phases, then the (non-host) blocking device wait (plain ints: cheap)."""
 
     ENGINE_BOUNDARY: Final = 0  # inbox drain, cancellation/expiry scan, admission, scheduling, batch building
@@ -71,7 +71,7 @@ _DECODE_DEVICE_WAIT = _PHASES + 1
 _REQUEST_SLOTS = _PHASES + 2
 # per phase * classes + work class: the request-buffer slot of its decode subset, or -1
 _DECODE_SLOT = tuple(
-    (_DECODE_DEVICE_WAIT if phase == Phase.DEVICE_WAIT else _DECODE_HOST) if work_class == WorkClass.DECODE else -1
+    (_DECODE_DEVICE_WAIT if phase == HostPhase.DEVICE_WAIT else _DECODE_HOST) if work_class == WorkClass.DECODE else -1
     for phase in range(_PHASES)
     for work_class in range(_CLASSES)
 )
@@ -94,7 +94,7 @@ class RequestHostWork:
         ns = self.ns
         return HostExposure(
             phases=tuple(_seconds(ns[phase]) for phase in HOST_PHASES),
-            device_wait=_seconds(ns[Phase.DEVICE_WAIT]),
+            device_wait=_seconds(ns[HostPhase.DEVICE_WAIT]),
             decode_host=_seconds(ns[_DECODE_HOST]),
             decode_device_wait=_seconds(ns[_DECODE_DEVICE_WAIT]),
         )
@@ -136,7 +136,7 @@ class HostWorkTotals:
         return _seconds(sum(self.elapsed_ns[phase * _CLASSES + work_class] for phase in HOST_PHASES))
 
     def class_device_wait_seconds(self, work_class: int) -> float:
-        return _seconds(self.elapsed_ns[Phase.DEVICE_WAIT * _CLASSES + work_class])
+        return _seconds(self.elapsed_ns[HostPhase.DEVICE_WAIT * _CLASSES + work_class])
 
     def detail_seconds(self, detail: int) -> float:
         return _seconds(self.detail_ns[detail])
@@ -238,7 +238,7 @@ class HostWorkClock:
 
     def await_device(self, device: torch.device, work_class: int) -> None:
         """A device-wait segment that blocks until the device's queued work is done (CPU work already is)."""
-        self.switch(Phase.DEVICE_WAIT, work_class)
+        self.switch(HostPhase.DEVICE_WAIT, work_class)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 

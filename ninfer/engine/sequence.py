@@ -16,7 +16,7 @@ from ninfer.engine.sampler import RowSampler
 from ninfer.engine.stops import OutputText
 from ninfer.engine.timings import RequestTimings, SpeculativeCounters
 
-Phase = Literal["waiting", "prefilling", "decoding", "finished"]
+SequencePhase = Literal["waiting", "prefilling", "decoding", "finished"]
 
 
 @attrs.define(eq=False)
@@ -38,7 +38,7 @@ class Sequence:
     max_output: int
     tokens: list[int]
     prompt_len: int
-    phase: Phase = "waiting"
+    phase: SequencePhase = "waiting"
     slot: int | None = None
     pages: list[int] = attrs.field(factory=list)
     promised_pages: int = 0

@@ -45,7 +45,7 @@ from ninfer.engine.acceptance import TargetDistribution, decide, sample_target
 from ninfer.engine.batching import build_batch
 from ninfer.engine.commit import Finish, commit_timed
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.host_work import HostWorkClock, Phase, WorkClass
+from ninfer.engine.host_work import HostWorkClock, HostPhase, WorkClass
 from ninfer.engine.memory import DrafterMemory, DrafterResume
 from ninfer.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.engine.sequence import Sequence
@@ -190,18 +190,18 @@ class SpeculativeRound:
     def run(self, rows: Seq[Sequence], clock: Callable[[], float]) -> list[tuple[Sequence, Finish]]:
         """One round over the decode batch; returns the rows that finished, with how (the caller releases them)."""
         work = self.host_work
-        work.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
+        work.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.DECODE)
         counts = [self.draft_count(seq) for seq in rows]
         for seq, count in zip(rows, counts):
             self.ensure_pages(seq, len(seq.tokens) + count)
         drafting = [index for index, count in enumerate(counts) if count > 0]
         drafts = [Draft(())] * len(rows)
         if drafting:
-            work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+            work.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
             made = self.drafter.draft([rows[i] for i in drafting], [counts[i] for i in drafting])
             for index, draft in zip(drafting, made):
                 drafts[index] = draft
-            work.switch(Phase.ENGINE_BOUNDARY, WorkClass.DECODE)
+            work.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.DECODE)
         plans, feeds, offset = [], [], 0
         for seq, draft in zip(rows, drafts):
             feed = [*seq.tokens[seq.fed :], *draft.tokens]
@@ -211,11 +211,11 @@ class SpeculativeRound:
         batch = build_batch(
             rows, feeds, "all", capture_states=True, return_hidden=True, capture_layers=capture_layers(self.drafter)
         )
-        work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+        work.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
         output = self.runtime.forward(batch, self.kv, self.state)
         assert output.logits is not None and output.states is not None
         work.await_device(self.device, WorkClass.DECODE)
-        work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+        work.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
         finished = []
         now = clock()
         limited = output.logits[:, : self.vocab_limit] if self.vocab_limit is not None else output.logits
@@ -260,7 +260,7 @@ class SpeculativeRound:
         accepted = 0
         finish: Finish | None = None
         for position in range(len(drafted) + 1):
-            work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+            work.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
             index = base + position
             target = targets.get(index)
             if target is None and seq.sampler.penalty is None:
@@ -280,7 +280,7 @@ class SpeculativeRound:
                 self._count_accept(seq, position)
             if finish is not None or not ok or len(seq.tokens) != length + 1:
                 break
-        work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+        work.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
         verified = self._verified_prefix(seq, old_fed + plan.pending, drafted)
         last = base + verified  # flat index of the last committed token that was fed
         seq.fed = old_fed + plan.pending + verified
@@ -289,9 +289,9 @@ class SpeculativeRound:
             assert seq.slot is not None
             self.rollback.restore(states, last, seq.slot)
         if hidden is not None:
-            work.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+            work.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
             self.drafter.observe(seq, old_fed, hidden[plan.offset : last + 1])
-            work.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
+            work.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
         self._count_round(seq, len(drafted), accepted)
         return finish
 

@@ -1,8 +1,8 @@
 """Copies between host and device that do not wait for the device's queued work.
 
 On CUDA each direction has its own copy stream (``copy_stream``), so a copy neither sits in the compute stream's
-queue between two kernels (where every copy-engine hand-over idled the H200 for microseconds between decode graph
-replays, docs/performance.md round 15) nor waits behind a copy of the other direction: a host-to-device copy runs as
+queue between two kernels (where every copy-engine hand-over idles the device for microseconds between decode
+graph replays) nor waits behind a copy of the other direction: a host-to-device copy runs as
 soon as it is issued and the compute stream waits only for its completion; a device-to-host copy waits only for
 the work queued before it.
 """

@@ -18,8 +18,7 @@ from typing import Any
 
 import attrs
 
-from ninfer.engine.host_work import HOST_PHASES as HOST_PHASE_ORDER, PHASE_NAMES
-from ninfer.engine.timings import HostExposure
+from ninfer.engine import HOST_PHASES as HOST_PHASE_ORDER, PHASE_NAMES, HostExposure
 from ninfer.core.errors import ConfigError, NinferError
 
 SCHEMA = "ninfer_serve_request_log"

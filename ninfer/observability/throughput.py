@@ -16,8 +16,15 @@ from typing import Any
 
 import attrs
 
-from ninfer.engine.host_cache import HostTierCounters
-from ninfer.engine.host_work import CLASS_NAMES, DETAIL_NAMES, HOST_PHASES, PHASE_NAMES, HostWorkTotals, Phase
+from ninfer.engine import (
+    CLASS_NAMES,
+    DETAIL_NAMES,
+    HOST_PHASES,
+    PHASE_NAMES,
+    HostPhase,
+    HostTierCounters,
+    HostWorkTotals,
+)
 from ninfer.observability import oplog
 
 
@@ -101,7 +108,7 @@ def host_work_fields(work: HostWorkTotals) -> dict[str, Any]:
     decode = classes["decode"]
     return {
         "elapsed_seconds": {**phases, "total": sum(phases.values())},
-        "device_wait_seconds": work.phase_seconds(Phase.DEVICE_WAIT),
+        "device_wait_seconds": work.phase_seconds(HostPhase.DEVICE_WAIT),
         "work_class_seconds": classes,
         "detail_subset_seconds": details,
         "detail_invocations": invocations,

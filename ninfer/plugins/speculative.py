@@ -26,6 +26,15 @@ def _build_dflash2_drafter(runtime: Any, artifact: Any, config: Any) -> Any:
     return build_dflash2_drafter(runtime, artifact, config)
 
 
+def _open_companion(name: str):
+    def open_companion(path: Any) -> Any:
+        from ninfer.plugins.qwen3_5.speculative.companion import DrafterDirectory
+
+        return DrafterDirectory(path, name)
+
+    return open_companion
+
+
 @hookimpl
 def ninfer_speculative_backends() -> list[SpeculativeBackend]:
     return [
@@ -44,6 +53,7 @@ def ninfer_speculative_backends() -> list[SpeculativeBackend]:
             companion_prefix="dflash.",
             description="block-diffusion drafter conditioned on target hidden states (companion weights)",
             build_drafter=_build_dflash_drafter,
+            open_companion=_open_companion("dflash"),
         ),
         SpeculativeBackend(
             name="dflash2",
@@ -53,5 +63,6 @@ def ninfer_speculative_backends() -> list[SpeculativeBackend]:
             description="DFlash with two-tap dynamic convolutions and a top-16 candidate walk (companion weights)",
             supports_lm_head_draft=False,  # the candidate selector walks the full target vocabulary
             build_drafter=_build_dflash2_drafter,
+            open_companion=_open_companion("dflash2"),
         ),
     ]

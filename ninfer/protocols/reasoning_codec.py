@@ -16,7 +16,7 @@ import base64
 import binascii
 import hashlib
 
-from ninfer.protocols.openai_chat.messages import malformed
+from ninfer.protocols.fields import malformed
 
 INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 _TAG = b"ninfer-reasoning-v1\x00"

@@ -6,7 +6,7 @@ import hmac
 import json
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import falcon
@@ -18,17 +18,23 @@ from ninfer.server.errors import ANTHROPIC, ErrorReply, protocol_for_path, rende
 from ninfer.server.http import DisconnectTracking, RequestTooLargeError
 from ninfer.server.routes import PROBE_PATHS
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.config import ServeConfig
+    from ninfer.core.frontend import Frontend
+    from ninfer.core.plugins import PluginManager
+    from ninfer.engine import Engine
+
 OPEN_PATHS = frozenset({"/health", *PROBE_PATHS})  # readiness and identity probes answer without a key
 
 
 @attrs.define
 class ServerContext:
-    """What adapters and lifecycle hooks see of the running server."""
+    """What adapters and lifecycle hooks see of the running server (:class:`ninfer.core.serving.ServerView`)."""
 
-    config: Any  # ServeConfig
-    plugins: Any  # PluginManager
-    engine: Any
-    frontend: Any
+    config: ServeConfig
+    plugins: PluginManager
+    engine: Engine
+    frontend: Frontend
     model_id: str
     max_model_len: int
     created: int = attrs.field(factory=lambda: int(time.time()))

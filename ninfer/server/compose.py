@@ -1,44 +1,39 @@
-"""Building an Engine for an artifact: its runtime (through the model family), tokenizer and stop ids."""
+"""The composition root: artifact -> model family -> runtime -> tokenizer -> drafter -> Engine.
+
+``ninfer serve`` (which adds the frontend and the HTTP app), ``ninfer bench`` and the offline ``LLM`` API build
+their model here and nowhere else. The plugin registries are built once by the caller and passed in.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
-from ninfer.core.artifact.container import TOKENIZER_RESOURCE, Manifest, open_model_source
-from ninfer.core.descriptors import ModelFamily
-from ninfer.engine.config import EngineConfig
-from ninfer.engine.engine import Engine
+from ninfer.core.artifact.container import ModelSource, open_model_source
 from ninfer.core.drafting import Drafter, SpeculativeConfig
 from ninfer.core.errors import ConfigError
-from ninfer.core.plugins import Registries
-from ninfer.core.runtime import LoadOptions
+from ninfer.core.plugins import given_or_process
+from ninfer.core.runtime import LoadOptions, ModelRuntime
+from ninfer.core.tokenizer import Tokenizer
+from ninfer.engine import Engine, EngineConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.descriptors import ModelFamily
+    from ninfer.core.plugins import Registries
 
 
-def eos_token_ids(manifest: Manifest) -> tuple[int, ...]:
-    """End-of-sequence ids: the generation defaults' ``eos_token_ids``, else the config's ``eos_token_id``."""
-    ids = manifest.generation_defaults.get("eos_token_ids")
-    if ids is None:
-        ids = manifest.text_config.get("eos_token_id", manifest.config.get("eos_token_id"))
-    if ids is None:
-        return ()
-    return tuple(int(token) for token in ([ids] if isinstance(ids, int) else ids))
-
-
-def artifact_tokenizer(artifact: Any) -> Any:
-    """The artifact's own tokenizer (``resource/tokenizer/tokenizer.json``), ready to detokenize (its byte table is
-    built at load, not on the engine thread during the first request)."""
-    from ninfer.core.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_json(artifact.resource_text(TOKENIZER_RESOURCE))
+def artifact_tokenizer(artifact: ModelSource) -> Tokenizer:
+    """The artifact's own tokenizer, ready to detokenize (its byte table is built at load, not on the engine
+    thread during the first request)."""
+    tokenizer = Tokenizer.from_artifact(artifact)
     tokenizer.prepare_detokenization()
     return tokenizer
 
 
 def build_drafter(
-    artifact: Any, runtime: Any, speculative: SpeculativeConfig | None, registries: Registries
+    artifact: ModelSource, runtime: ModelRuntime, speculative: SpeculativeConfig | None, registries: Registries
 ) -> Drafter | None:
     """The ``--spec`` backend's drafter for ``runtime`` (None without speculation)."""
     if speculative is None:
@@ -53,24 +48,14 @@ def build_drafter(
     return backend.require_drafter()(runtime, artifact, speculative)
 
 
-def build_engine(
-    artifact: Any, runtime: Any, config: EngineConfig, tokenizer: Any | None = None, drafter: Drafter | None = None
-) -> Engine:
-    """An Engine over an already loaded runtime, with the artifact's tokenizer and stop ids."""
-    tokenizer = tokenizer if tokenizer is not None else artifact_tokenizer(artifact)
-    return Engine(
-        runtime, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(artifact.manifest), drafter=drafter
-    )
-
-
 @attrs.define
 class LoadedModel:
     """An opened artifact with its family, runtime, tokenizer and running Engine."""
 
-    artifact: Any
+    artifact: ModelSource
     family: ModelFamily
-    runtime: Any
-    tokenizer: Any
+    runtime: ModelRuntime
+    tokenizer: Tokenizer
     engine: Engine
 
     def close(self) -> None:
@@ -79,30 +64,29 @@ class LoadedModel:
 
 
 def load_engine(
-    source: str | os.PathLike[str] | Any,
+    source: str | os.PathLike[str] | ModelSource,
     config: EngineConfig,
     *,
-    load_options: LoadOptions | None = None,
     registries: Registries | None = None,
+    load_options: LoadOptions | None = None,
     speculative: SpeculativeConfig | None = None,
 ) -> LoadedModel:
-    """Open ``source`` (a .ninfer file, a Hugging Face directory or an opened artifact), load it, start an Engine.
-
-    ``speculative`` selects a speculative backend (``--spec``) and its draft window.
-    """
-    if registries is None:
-        from ninfer.core.plugins import load_plugin_manager
-
-        registries = load_plugin_manager().registries
-    artifact = open_model_source(source) if isinstance(source, (str, os.PathLike)) else source
+    """Open ``source`` (a .ninfer file, a Hugging Face directory or an opened artifact), load it and start an
+    Engine with ``registries`` (default: the process's); ``speculative`` selects a speculative backend (``--spec``) and its draft window. An artifact opened
+    here is closed at once when loading fails; :meth:`LoadedModel.close` closes the artifact either way."""
+    registries = given_or_process(registries)
+    opened_here = isinstance(source, (str, os.PathLike))
+    artifact = open_model_source(source, registries) if opened_here else source
     try:
         family = registries.family_for(artifact.manifest)
         runtime = family.require("load_runtime")(artifact, load_options or LoadOptions())
         tokenizer = artifact_tokenizer(artifact)
         drafter = build_drafter(artifact, runtime, speculative, registries)
-        engine = build_engine(artifact, runtime, config, tokenizer, drafter)
+        engine = Engine(
+            runtime, config, tokenizer=tokenizer, eos_token_ids=artifact.manifest.eos_token_ids, drafter=drafter
+        )
     except BaseException:
-        if isinstance(source, (str, os.PathLike)):
+        if opened_here:
             artifact.close()
         raise
     return LoadedModel(artifact, family, runtime, tokenizer, engine)

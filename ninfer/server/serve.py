@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import uvicorn
 
 from ninfer.core.artifact.container import open_model_source
+from ninfer.core.config import CONTINUATION_LIMIT_OPTIONS, changed_options, option_flag
+from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.errors import ConfigError, NotYetAvailableError
 from ninfer.observability import oplog
 from ninfer.observability.request_log import (
@@ -122,8 +124,7 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
 
 def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_log: "RequestLogWriter | None") -> None:
     from ninfer.engine import EngineConfig
-    from ninfer.server.compose import artifact_tokenizer, build_drafter, build_engine
-    from ninfer.core.drafting import SpeculativeConfig
+    from ninfer.server.compose import load_engine
     from ninfer.server.generation import close_generation_resources
     from ninfer.server.runner import listening_socket, make_server
     from ninfer.server.app import ServerContext, build_app
@@ -136,29 +137,29 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
         log.info(f"no artifact given: serving the built-in tiny demo model {path} (its weights are random)")
     else:
         path = config.artifact
-    engine = None
-    with open_model_source(path) as artifact:
+    with open_model_source(path, registries) as artifact:
         manifest = artifact.manifest
         family = registries.family_for(manifest)
         log.info(f"loading {manifest.identity.model_id} ({family.name}, {manifest.architecture})")
-        runtime = family.require("load_runtime")(artifact, LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph))
-        log.info(
-            f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
-            f"recurrent layers on {runtime.spec.device}"
+        loaded = load_engine(
+            artifact,
+            EngineConfig.from_serve_config(config),
+            registries=registries,
+            load_options=LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph),
+            speculative=speculative_config(config),
         )
-        log.warning(
-            "context cache: continuation limits are not available yet; --max-private-continuations, "
-            "--max-shared-prefixes and --max-long-anchors-per-continuation have no effect"
-        )
+        engine, runtime = loaded.engine, loaded.runtime
         try:
-            tokenizer = artifact_tokenizer(artifact)
-            speculative = None
-            if config.spec is not None:
-                assert config.draft_tokens is not None  # the option checks require it with --spec
-                speculative = SpeculativeConfig(config.spec, config.draft_tokens, config.lm_head_draft)
-            drafter = build_drafter(artifact, runtime, speculative, registries)
-            engine = build_engine(artifact, runtime, EngineConfig.from_serve_config(config), tokenizer, drafter)
-            frontend = family.require("build_frontend")(artifact, config, tokenizer)
+            log.info(
+                f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
+                f"recurrent layers on {runtime.spec.device}"
+            )
+            unavailable = changed_options(config, CONTINUATION_LIMIT_OPTIONS)
+            if unavailable:
+                flags = ", ".join(option_flag(name) for name in unavailable)
+                log.warning(f"context cache: continuation limits are not available yet; {flags} "
+                            f"{'has' if len(unavailable) == 1 else 'have'} no effect")
+            frontend = family.require("build_frontend")(artifact, config, loaded.tokenizer)
             context = ServerContext(
                 config=config,
                 plugins=plugins,
@@ -167,9 +168,7 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 model_id=config.model_id or manifest.identity.model_id,
                 max_model_len=config.max_context,
             )
-            observability = ServerObservability(
-                request_log, ThroughputCounters(), spec=config.spec
-            )
+            observability = ServerObservability(request_log, ThroughputCounters(), spec=config.spec)
             context.state[OBSERVABILITY_KEY] = observability
             if request_log is not None:
                 presets = family.sampling_presets(manifest) if family.sampling_presets else {}
@@ -200,6 +199,13 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 plugins.hook.ninfer_serve_stopping(server=context)
                 close_generation_resources(context)
         finally:
-            if engine is not None:
-                engine.shutdown()
+            engine.shutdown()
     log.info("stopped")
+
+
+def speculative_config(config: "ServeConfig") -> SpeculativeConfig | None:
+    """The ``--spec`` selection of ``config`` (None without speculation)."""
+    if config.spec is None:
+        return None
+    assert config.draft_tokens is not None  # the option checks require it with --spec
+    return SpeculativeConfig(config.spec, config.draft_tokens, config.lm_head_draft)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from paths import OFFICIAL_TEMPLATES
+from paths import OFFICIAL_TEMPLATES, official_template
 from ninfer.core.chat_template import ChatTemplate, TemplateCapabilities, TemplateRaisedError
 from ninfer.core.errors import ArtifactError, ConfigError, InvalidRequestError
 from ninfer.plugins.qwen3_5.frontend.templates import template_source
@@ -23,10 +23,7 @@ Pair = tuple[str, ChatTemplate, ChatTemplate]  # (generation, official template,
 
 
 def _official(generation: str) -> ChatTemplate:
-    path = FIXTURES / f"{generation}.jinja"
-    if not path.is_file():
-        pytest.skip(f"official template fixture {path} is not available")
-    return ChatTemplate(path.read_text(encoding="utf-8"), name=f"official/{generation}.jinja")
+    return ChatTemplate(official_template(generation).read_text(encoding="utf-8"), name=f"official/{generation}.jinja")
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from ninfer.core.artifact.hf_directory import (
 )
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
-from ninfer.core.tokenizer import build_qwen_tokenizer_json
+from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,7 +26,7 @@ from ninfer.engine.host_work import (
     Detail,
     HostWorkClock,
     HostWorkTotals,
-    Phase,
+    HostPhase,
     RequestHostWork,
     WorkClass,
 )
@@ -76,14 +76,14 @@ def timed() -> tuple[HostWorkClock, ScriptedTime]:
 def test_every_segment_goes_to_exactly_one_phase_and_class(timed):
     clock, now = timed
     script = [
-        (Phase.ENGINE_BOUNDARY, WorkClass.CONTROL, 5),
-        (Phase.PROGRAM_SUBMIT, WorkClass.DECODE, 40),
-        (Phase.DEVICE_WAIT, WorkClass.DECODE, 300),
-        (Phase.PROGRAM_POST, WorkClass.DECODE, 7),
-        (Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE, 11),
-        (Phase.PROGRAM_SUBMIT, WorkClass.PREFILL, 100),
-        (Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL, 3),
-        (Phase.PROGRAM_SUBMIT, WorkClass.DECODE, 60),
+        (HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL, 5),
+        (HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE, 40),
+        (HostPhase.DEVICE_WAIT, WorkClass.DECODE, 300),
+        (HostPhase.PROGRAM_POST, WorkClass.DECODE, 7),
+        (HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE, 11),
+        (HostPhase.PROGRAM_SUBMIT, WorkClass.PREFILL, 100),
+        (HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL, 3),
+        (HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE, 60),
     ]
     expected = [0] * (len(PHASE_NAMES) * len(CLASS_NAMES))
     for phase, work_class, duration in script:
@@ -95,8 +95,8 @@ def test_every_segment_goes_to_exactly_one_phase_and_class(timed):
     totals = clock.totals()
     assert list(totals.elapsed_ns) == expected
     assert sum(totals.elapsed_ns) == sum(duration for *_, duration in script)
-    assert totals.phase_seconds(Phase.PROGRAM_SUBMIT) == 200e-9
-    assert totals.phase_seconds(Phase.DEVICE_WAIT) == 300e-9
+    assert totals.phase_seconds(HostPhase.PROGRAM_SUBMIT) == 200e-9
+    assert totals.phase_seconds(HostPhase.DEVICE_WAIT) == 300e-9
     assert totals.class_host_seconds(WorkClass.DECODE) == pytest.approx(118e-9)
     assert totals.class_device_wait_seconds(WorkClass.DECODE) == pytest.approx(300e-9)
     assert totals.class_host_seconds(WorkClass.PREFILL) == pytest.approx(100e-9)
@@ -105,26 +105,26 @@ def test_every_segment_goes_to_exactly_one_phase_and_class(timed):
 
 def test_the_open_segment_is_not_published_until_it_closes(timed):
     clock, now = timed
-    clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+    clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
     now.advance(50)
     assert sum(clock.totals().elapsed_ns) == 0
-    clock.switch(Phase.PROGRAM_POST, WorkClass.DECODE)
-    assert clock.totals().elapsed_ns[slot(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)] == 50
+    clock.switch(HostPhase.PROGRAM_POST, WorkClass.DECODE)
+    assert clock.totals().elapsed_ns[slot(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)] == 50
 
 
 def test_members_are_charged_each_segment_in_full_but_the_worker_counts_it_once(timed):
     clock, now = timed
     first, second, late = RequestHostWork(), RequestHostWork(), RequestHostWork()
     clock.charge([first, second])
-    clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+    clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
     now.advance(100)
     clock.await_device(torch.device("cpu"), WorkClass.DECODE)
     now.advance(30)
-    clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
+    clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
     now.advance(20)
     clock.join(late)  # joins mid-segment: only what follows is its
     now.advance(5)
-    clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+    clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
     now.advance(8)
     clock.charge([late])  # the others leave: later time is not theirs
     now.advance(1000)
@@ -144,33 +144,33 @@ def test_settle_brings_members_up_to_now_without_closing_the_phase(timed):
     clock, now = timed
     work = RequestHostWork()
     clock.charge([work])
-    clock.switch(Phase.PROGRAM_POST, WorkClass.PREFILL)
+    clock.switch(HostPhase.PROGRAM_POST, WorkClass.PREFILL)
     now.advance(40)
-    assert work.exposure().phases[Phase.PROGRAM_POST] == 0.0
+    assert work.exposure().phases[HostPhase.PROGRAM_POST] == 0.0
     clock.settle()
-    assert work.exposure().phases[Phase.PROGRAM_POST] == 40e-9
+    assert work.exposure().phases[HostPhase.PROGRAM_POST] == 40e-9
     now.advance(2)
-    assert clock.phase == Phase.PROGRAM_POST and clock.work_class == WorkClass.PREFILL
+    assert clock.phase == HostPhase.PROGRAM_POST and clock.work_class == WorkClass.PREFILL
     clock.idle()
-    assert work.exposure().phases[Phase.PROGRAM_POST] == 42e-9
+    assert work.exposure().phases[HostPhase.PROGRAM_POST] == 42e-9
     assert clock.phase is None
 
 
 def test_reclassify_moves_the_whole_open_segment(timed):
     clock, now = timed
-    clock.switch(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
+    clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)
     now.advance(9)
     clock.reclassify(WorkClass.CONTROL)
     now.advance(1)
     clock.idle()
     totals = clock.totals()
-    assert totals.elapsed_ns[slot(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)] == 10
-    assert totals.elapsed_ns[slot(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)] == 0
+    assert totals.elapsed_ns[slot(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)] == 10
+    assert totals.elapsed_ns[slot(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.DECODE)] == 0
 
 
 def test_details_are_subsets_with_invocation_counts(timed):
     clock, now = timed
-    clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+    clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
     for duration in (12, 30):
         with clock.detail(Detail.ADMISSION):
             now.advance(duration)
@@ -185,18 +185,18 @@ def test_details_are_subsets_with_invocation_counts(timed):
 
 def test_interval_deltas(timed):
     clock, now = timed
-    clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+    clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
     now.advance(10)
-    clock.switch(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
+    clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
     earlier = clock.totals(decode_rounds=1, decode_row_rounds=2)
     now.advance(4)
-    clock.switch(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)
+    clock.switch(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)
     now.advance(25)
     clock.idle()
     delta = clock.totals(decode_rounds=3, decode_row_rounds=7).minus(earlier)
     assert delta.decode_rounds == 2 and delta.decode_row_rounds == 5
-    assert delta.elapsed_ns[slot(Phase.PROGRAM_SUBMIT, WorkClass.DECODE)] == 25
-    assert delta.elapsed_ns[slot(Phase.ENGINE_MAINTENANCE, WorkClass.CONTROL)] == 4
+    assert delta.elapsed_ns[slot(HostPhase.PROGRAM_SUBMIT, WorkClass.DECODE)] == 25
+    assert delta.elapsed_ns[slot(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)] == 4
     assert HostWorkTotals.zero().minus(HostWorkTotals.zero()) == HostWorkTotals.zero()
 
 
@@ -211,7 +211,7 @@ def scripted_totals(rounds: int, row_rounds: int, admissions: int) -> HostWorkTo
         for work_class in range(len(CLASS_NAMES)):
             clock.switch(phase, work_class)
             now.advance(1000 * (phase + 1) + 100 * work_class)
-    clock.switch(Phase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+    clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
     for _ in range(admissions):
         with clock.detail(Detail.ADMISSION):
             now.advance(700)
@@ -392,10 +392,10 @@ def test_engine_requests_carry_their_exposure_and_the_worker_counts_shared_round
         before = published(engine)
         exposures = [assert_exposure_is_consistent(outcome) for outcome in outcomes]
         for outcome, exposure in zip(outcomes, exposures):
-            assert exposure.phases[Phase.PROGRAM_SUBMIT] > 0.0  # the request ran forwards
+            assert exposure.phases[HostPhase.PROGRAM_SUBMIT] > 0.0  # the request ran forwards
             assert exposure.decode_host > 0.0 and outcome.timings.decode_rounds == 11
             assert outcome.timings.prefill_units == 3  # 19 tokens in chunks of 8
-            assert outcome.timings.host_work.phases[Phase.ENGINE_MAINTENANCE] > 0.0  # its own release
+            assert outcome.timings.host_work.phases[HostPhase.ENGINE_MAINTENANCE] > 0.0  # its own release
         worker_decode = before.class_host_seconds(WorkClass.DECODE)
         # both requests sat in the same decode rounds: each is charged those rounds in full, the worker once
         assert sum(exposure.decode_host for exposure in exposures) > worker_decode
@@ -446,12 +446,12 @@ def test_a_decode_round_runs_through_the_phases_in_order():
         [outcome] = run_all(engine, [GenerationRequest(tuple(range(1, 9)), SamplingParams(max_tokens=3, **GREEDY))])
     assert outcome.completion_tokens == 3
     decode = [phase for phase, work_class in spy.segments if work_class == WorkClass.DECODE]
-    one_round = [Phase.ENGINE_BOUNDARY, Phase.PROGRAM_SUBMIT, Phase.DEVICE_WAIT, Phase.PROGRAM_POST,
-                 Phase.ENGINE_COMMIT_OUTPUT]
+    one_round = [HostPhase.ENGINE_BOUNDARY, HostPhase.PROGRAM_SUBMIT, HostPhase.DEVICE_WAIT, HostPhase.PROGRAM_POST,
+                 HostPhase.ENGINE_COMMIT_OUTPUT]
     assert decode == one_round * 2  # two decode rounds after the token sampled from the prompt
     prefill = [phase for phase, work_class in spy.segments if work_class == WorkClass.PREFILL]
-    assert prefill[:2] == [Phase.ENGINE_BOUNDARY, Phase.PROGRAM_SUBMIT]
-    assert Phase.DEVICE_WAIT in prefill and prefill[-1] == Phase.ENGINE_COMMIT_OUTPUT
+    assert prefill[:2] == [HostPhase.ENGINE_BOUNDARY, HostPhase.PROGRAM_SUBMIT]
+    assert HostPhase.DEVICE_WAIT in prefill and prefill[-1] == HostPhase.ENGINE_COMMIT_OUTPUT
     assert spy.reclassified == []
 
 
@@ -463,7 +463,7 @@ def test_a_budget_close_insert_is_committed_as_control_work():
         [outcome] = run_all(engine, [request])
         totals = published(engine)
     assert outcome.control_tokens == 2 and outcome.timings.control_units == 1
-    assert spy.reclassified == [(Phase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)]
+    assert spy.reclassified == [(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.CONTROL)]
     assert totals.detail_invocations[Detail.CONTEXT_TRANSACTION] == 0  # reuse off: nothing captured
     assert_exposure_is_consistent(outcome)
 
@@ -496,9 +496,9 @@ def test_speculative_rounds_are_timed_as_decode_work(tiny_mtp):
     assert rounds == totals.decode_row_rounds
     decode = [phase for phase, work_class in spy.segments if work_class == WorkClass.DECODE]
     # one explicit wait for the verify results per round; drafting and verification are program submission
-    assert decode.count(Phase.DEVICE_WAIT) == totals.decode_rounds
-    assert decode.count(Phase.PROGRAM_SUBMIT) > decode.count(Phase.DEVICE_WAIT)  # verify, plus drafting/observing
-    assert totals.elapsed_ns[slot(Phase.PROGRAM_POST, WorkClass.DECODE)] > 0
+    assert decode.count(HostPhase.DEVICE_WAIT) == totals.decode_rounds
+    assert decode.count(HostPhase.PROGRAM_SUBMIT) > decode.count(HostPhase.DEVICE_WAIT)  # verify, plus drafting/observing
+    assert totals.elapsed_ns[slot(HostPhase.PROGRAM_POST, WorkClass.DECODE)] > 0
     for outcome in outcomes:
         exposure = assert_exposure_is_consistent(outcome)
         assert exposure.decode_host > 0.0

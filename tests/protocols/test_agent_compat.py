@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from live_server import API_KEY, ECHO_MODEL, LiveServer, start_servers, tiny_artifact
-from test_openai_chat import FIXTURES, WEATHER_CALL, fence, official_prompt_tokens
-from test_openai_responses import WEATHER, chat_tool, raw_events
+from test_openai_chat import WEATHER_CALL, fence, official_prompt_tokens
+from test_openai_responses import WEATHER, chat_tool
 
 REASONING, ANSWER = "Plan the answer.", "Here it is."
 SCRIPT = f"{REASONING}\n</think>\n\n{ANSWER}"
@@ -34,8 +34,6 @@ WEB_SEARCH = {"type": "web_search", "external_web_access": False}
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    if not FIXTURES.is_dir():
-        pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     tmp = tmp_path_factory.mktemp("agent-compat")
     log = tmp / "requests.jsonl"
     args = ["--default-max-tokens", "256", "--api-key", API_KEY]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from live_server import LiveServer, start_servers, tiny_artifact, words
-from test_openai_chat import FIXTURES, QWEN, fence, official_prompt_tokens
+from test_openai_chat import QWEN, fence, official_prompt_tokens
 
 API_KEY = "anthropic-secret"
 WEATHER = {"name": "get_weather", "description": "Current weather",
@@ -38,8 +38,6 @@ THINKING_OFF = {"enable_thinking": False, "preserve_thinking": False}
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    if not FIXTURES.is_dir():
-        pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     echo = tiny_artifact(tmp_path_factory, "echo", "qwen3_8")
     qwen = tiny_artifact(tmp_path_factory, "qwen3_5", "qwen3_6")
     slow_args = ["--api-key", API_KEY, "--max-concurrency", "1", "--max-pending-requests", "1", "--no-thinking",

@@ -9,7 +9,7 @@ random-weight Qwen artifact with the Qwen3.8 template covers the real model path
 
 from __future__ import annotations
 
-from paths import OFFICIAL_TEMPLATES
+from paths import OFFICIAL_TEMPLATES, official_template
 import json
 from typing import Any
 
@@ -60,7 +60,7 @@ def official_prompt_tokens(template: str, messages: list[dict[str, Any]], tools:
                                                        extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
-    source = (FIXTURES / f"{template}.jinja").read_text(encoding="utf-8")
+    source = official_template(template).read_text(encoding="utf-8")
     text = env.from_string(source).render(messages=messages, tools=tools, add_generation_prompt=True, **kwargs)
     return len(QWEN.encode(text))
 
@@ -75,8 +75,6 @@ def fence(*scripts: str) -> str:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    if not FIXTURES.is_dir():
-        pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     echo = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
     qwen = tiny_artifact(tmp_path_factory, "qwen3_5", "qwen3_8")
     common = ["--default-max-tokens", "256"]

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from live_server import ECHO_MODEL, LiveServer, start_servers, tiny_artifact
-from test_openai_chat import FIXTURES, QWEN_MODEL, TIME_CALL, WEATHER_CALL, fence, official_prompt_tokens
+from test_openai_chat import QWEN_MODEL, TIME_CALL, WEATHER_CALL, fence, official_prompt_tokens
 
 STORE_RECORDS = 3
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",
@@ -34,8 +34,6 @@ def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    if not FIXTURES.is_dir():
-        pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     echo = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
     qwen = tiny_artifact(tmp_path_factory, "qwen3_5", "qwen3_8")
     common = ["--default-max-tokens", "256"]
@@ -489,7 +487,12 @@ def test_tiny_qwen_create_and_count_agree_with_the_official_template(qwen):
 
 
 def test_store_counts_shared_context_once_and_evicts_lru():
-    from ninfer.protocols.openai_responses.store import ContextSegment, ResponseStore, StoreCapacityError, StoredResponse
+    from ninfer.protocols.openai_responses.store import (
+        ContextSegment,
+        ResponseStore,
+        StoreCapacityError,
+        StoredResponse,
+    )
 
     item = {"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 100}]}
     root = ContextSegment(None, (item,), 1)

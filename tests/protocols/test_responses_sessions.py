@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from live_server import ECHO_MODEL, LiveServer, start_servers, tiny_artifact, words
-from test_openai_chat import FIXTURES, fence, official_prompt_tokens
+from test_openai_chat import fence, official_prompt_tokens
 
 from ninfer.protocols.openai_responses.adapter import root_session_key
 
@@ -26,8 +26,6 @@ _traffic = itertools.count()
 
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory: pytest.TempPathFactory):
-    if not FIXTURES.is_dir():
-        pytest.skip(f"official chat-template fixtures not found at {FIXTURES}")
     artifact = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
     # no host tier: the control chain must be able to lose its checkpoint to anonymous traffic
     args = ["--default-max-tokens", "256", "--device-state-slots", "3", "--host-state-slots", "0"]

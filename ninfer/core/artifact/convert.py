@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ninfer.core.artifact.container import MappedSafetensors, TensorEntry, TensorInfo, write_artifact
 from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
-from ninfer.core.artifact.hf_directory import CONFIG_FILE, FusedTensor, HFDirectoryArtifact, ShardFile, open_hf_directory
+from ninfer.core.plugins import Registries, given_or_process
+from ninfer.core.artifact.hf_directory import (
+    CONFIG_FILE,
+    FusedTensor,
+    HFDirectoryArtifact,
+    ShardFile,
+    open_hf_directory,
+)
 
 #: Tensors a family need not expect that are carried into the artifact as they are.
 CARRIED_PREFIXES = ("model.visual.", "mtp.")
@@ -36,24 +43,24 @@ def convert_checkpoint(
     model_id: str | None = None,
     progress: Progress | None = None,
     drafters: Mapping[str, str | os.PathLike[str]] | None = None,
+    registries: Registries | None = None,
 ) -> Path:
     """Validate the checkpoint in ``hf_dir``, then write it to ``out_path`` as a .ninfer file; returns the path.
 
-    ``progress(done_bytes, total_bytes)`` is called as tensor data is written. ``drafters`` maps a companion name
-    (``"dflash"`` or ``"dflash2"``) to a z-lab drafter directory of that architecture whose tensors and config are
-    carried along (``dflash.*`` / ``dflash2.*``).
+    ``progress(done_bytes, total_bytes)`` is called as tensor data is written. ``drafters`` maps a speculative
+    backend name (``"dflash"``, ``"dflash2"``) to a published drafter directory that the backend's
+    ``open_companion`` reads; its tensors and config are carried along (``dflash.*`` / ``dflash2.*``).
     """
-    from ninfer.plugins.qwen3_5.speculative.companion import DrafterDirectory
-
+    registries = given_or_process(registries)
     out = Path(out_path)
-    opened: list[DrafterDirectory] = []
-    with open_hf_directory(hf_dir, model_id=model_id) as checkpoint:
+    opened: list[Any] = []
+    with open_hf_directory(hf_dir, model_id=model_id, registries=registries) as checkpoint:
         try:
             _check_output_path(out, checkpoint)
-            check_weights(checkpoint)
+            check_weights(checkpoint, registries)
             manifest = checkpoint.manifest
             for name, path in (drafters or {}).items():
-                drafter = DrafterDirectory(path, name)
+                drafter = registries.speculative_backend(name).require_companion()(path)
                 opened.append(drafter)
                 drafter.check_target(manifest)
                 manifest = drafter.manifest_with_companion(manifest)
@@ -73,15 +80,13 @@ def convert_checkpoint(
     return out
 
 
-def check_weights(checkpoint: HFDirectoryArtifact) -> None:
+def check_weights(checkpoint: HFDirectoryArtifact, registries: Registries | None = None) -> None:
     """Fail with WeightMismatchError unless the checkpoint holds exactly the tensors its family expects.
 
     Tensors under :data:`CARRIED_PREFIXES` may be present without being expected.
     """
-    from ninfer.core.plugins import load_plugin_manager
-
     manifest = checkpoint.manifest
-    family = load_plugin_manager().registries.family_for(manifest)
+    family = given_or_process(registries).family_for(manifest)
     try:
         expected = family.require("expected_weights")(manifest.config)
     except WeightMismatchError:

@@ -31,6 +31,7 @@ from ninfer.core.artifact.container import (
     read_safetensors_header,
 )
 from ninfer.core.errors import ArtifactError, NotYetAvailableError, WeightMismatchError
+from ninfer.core.plugins import Registries, given_or_process
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -199,8 +200,11 @@ class HFDirectoryArtifact(ModelSource):
         return self
 
 
-def open_hf_directory(path: str | os.PathLike[str], *, model_id: str | None = None) -> HFDirectoryArtifact:
-    """Open a Hugging Face checkpoint directory; every problem is an ArtifactError naming the file at fault."""
+def open_hf_directory(
+    path: str | os.PathLike[str], *, model_id: str | None = None, registries: Registries | None = None
+) -> HFDirectoryArtifact:
+    """Open a Hugging Face checkpoint directory; every problem is an ArtifactError naming the file at fault.
+    ``registries`` supply the model family's checkpoint layout."""
     directory = Path(path)
     if not directory.is_dir():
         problem = "not a directory" if directory.exists() else "no such directory"
@@ -219,7 +223,8 @@ def open_hf_directory(path: str | os.PathLike[str], *, model_id: str | None = No
         companions=("mtp",) if any(name.startswith("mtp.") for s in shards for name in s.tensors) else (),
         generation_defaults=_generation_defaults(generation_config, config),
     )
-    return HFDirectoryArtifact(directory, manifest, shards, resources, _family_layout(directory, manifest, shards))
+    layout = _family_layout(directory, manifest, shards, given_or_process(registries))
+    return HFDirectoryArtifact(directory, manifest, shards, resources, layout)
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -262,15 +267,15 @@ def read_shards(directory: Path) -> tuple[ShardFile, ...]:
     return tuple(shards)
 
 
-def _family_layout(directory: Path, manifest: Manifest, shards: tuple[ShardFile, ...]) -> dict[str, FusedTensor]:
+def _family_layout(
+    directory: Path, manifest: Manifest, shards: tuple[ShardFile, ...], registries: Registries
+) -> dict[str, FusedTensor]:
     """The model family's ``checkpoint_layout`` for these tensors; none without a family that declares one.
 
     An unrecognized architecture is not an error here: whoever needs the family (convert, load) reports it.
     """
-    from ninfer.core.plugins import load_plugin_manager
-
     try:
-        family = load_plugin_manager().registries.family_for(manifest)
+        family = registries.family_for(manifest)
     except ArtifactError:
         return {}
     if family.checkpoint_layout is None:

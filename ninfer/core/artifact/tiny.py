@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
+import torch
 
 from ninfer.core.artifact.container import (
-    CHAT_TEMPLATE_RESOURCE,
-    TOKENIZER_RESOURCE,
     Identity,
     Manifest,
     tensor_entries,
@@ -18,6 +18,18 @@ from ninfer.core.artifact.container import (
 from ninfer.core.plugins import Registries
 
 TEMPLATE_CHOICES = ("qwen3_6", "qwen3_8")
+
+
+@attrs.frozen
+class TinyModel:
+    """What a family's ``make_tiny(options)`` returns: a tiny checkpoint of its real structure (``tensors`` are
+    exactly ``expected_weights(config)``) and the resources its artifact embeds (tokenizer, chat template)."""
+
+    architecture: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    generation_defaults: dict[str, Any]
+    resources: dict[str, bytes]
 
 
 @attrs.frozen
@@ -35,17 +47,6 @@ class TinyOptions:
     def model_id(self) -> str:
         companions = "".join(f"-{name}" for name in ("mtp", "dflash", "dflash2") if getattr(self, name))
         return f"ninfer-tiny-{self.family.replace('_', '-')}{companions}"
-
-
-def tiny_resources(template: str) -> dict[str, bytes]:
-    """The real Qwen tokenizer and a ninfer-written chat template, as artifact resources."""
-    from ninfer.core.tokenizer import build_qwen_tokenizer_json
-    from ninfer.plugins.qwen3_5.frontend.templates import template_source
-
-    return {
-        TOKENIZER_RESOURCE: build_qwen_tokenizer_json().encode("utf-8"),
-        CHAT_TEMPLATE_RESOURCE: template_source(template).encode("utf-8"),
-    }
 
 
 def write_tiny_artifact(out: str | os.PathLike[str], options: TinyOptions, registries: Registries) -> Path:
@@ -66,4 +67,4 @@ def write_tiny_artifact(out: str | os.PathLike[str], options: TinyOptions, regis
         generation_defaults=tiny.generation_defaults,
         family=family.name,
     )
-    return write_artifact(out, manifest, tensor_entries(tiny.tensors), tiny_resources(options.template))
+    return write_artifact(out, manifest, tensor_entries(tiny.tensors), tiny.resources)

@@ -260,7 +260,7 @@ def grouped_moe_forward(
     gate, up = _grouped_matmul(x[token_of], gate_up, ends, host_counts).chunk(2, dim=-1)
     expert_out = _grouped_matmul(F.silu(gate) * up, down, ends, host_counts)
     # back to (token, slot) order and summed over the slots in a fixed order, not scattered with atomic adds (whose
-    # order the device picks); on the H200 the 35B-A3B TTFT at 8192 went 250-262 -> 238 ms
+    # order the device picks): deterministic, and faster on the H200 (35B-A3B TTFT at 8192: 238 ms against 250-262)
     weighted = torch.empty((order.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
     weighted[order] = expert_out.float() * weights.reshape(-1)[order, None]
     output = weighted.view(x.shape[0], top_k, x.shape[1]).sum(dim=1)

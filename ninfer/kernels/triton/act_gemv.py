@@ -2,7 +2,7 @@
 
 * ``act_gemv(gate_up, W, silu_mul=True)``: ``y = (silu(gate) * up) @ W^T``, the dense MLP's down projection straight
   from its gate/up projection: no SiLU·mul launch, and at one row no cuBLAS split-K kernel with its workspace memset
-  and reduce launch (at 27B shapes those cost ~10 µs of gaps per layer on the H200, docs/performance.md round 6).
+  and reduce launch (at 27B shapes those cost ~10 µs of gaps per layer on the H200).
 * ``act_gemv(x, W)``: ``y = x @ W^T`` (the attention output projection).
 
 Each program owns a block of output rows over the whole K and streams its weight tiles (software-pipelined),
@@ -35,10 +35,9 @@ from ninfer.kernels.triton.norm_gemv import (
 def default_act_tiles(tokens: int, device: torch.device | str = "cpu", silu_mul: bool = False) -> GemvTiles:
     """The tiles of ``act_gemv`` for ``tokens`` rows: at one row 4 output rows per program, over 1024-column steps
     at 4 warps with ``silu_mul`` (the fastest of 8 tile sets on the H200 for the 27B down projection, 43.7 µs
-    against 50.5 µs for SiLU·mul + cuBLAS, ``scripts/gpu_act_gemv.py``) and over 2048-column steps at 8 warps for
-    plain products (the mixers' output projections, which start beside the decode attention: 35B-A3B step 0.01-0.02
-    ms shorter, ``scripts/gpu_decode_knobs.py``, docs/performance.md round 18); 32-row ``tl.dot`` tiles with
-    256-column steps for more."""
+    against 50.5 µs for SiLU·mul + cuBLAS) and over 2048-column steps at 8 warps for plain products (the mixers'
+    output projections, which start beside the decode attention: the 35B-A3B step is 0.01-0.02 ms shorter); 32-row
+    ``tl.dot`` tiles with 256-column steps for more."""
     pdl = pdl_supported(device)
     if tokens == 1 and silu_mul:
         return GemvTiles(rows=4, block_k=1024, warps=4, stages=3, pdl=pdl)

@@ -11,7 +11,7 @@ enters it::
 One program owns one (sequence·head, block of value columns) and keeps its ``[Dk, BV]`` slice of ``S`` in registers
 for the whole sequence, so the pass is one launch instead of three products and a scaling per chunk. The products
 run on the tensor cores as three TF32 products each (``tf32x3``: about fp32 accuracy; plain fp32 ``ieee`` dots
-took 54 ms per 27B layer at 8192 tokens on the H200, these 1.6 ms). The chunk count is not a specialisation key, so
+take 54 ms per 27B layer at 8192 tokens on the H200, these 1.6 ms). The chunk count is not a specialisation key, so
 one compilation serves every prompt length.
 """
 

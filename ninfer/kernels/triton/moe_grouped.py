@@ -70,7 +70,7 @@ class MoETiles:
 
 
 def default_tiles(tokens: int, device: torch.device | str = "cpu") -> MoETiles:
-    """The tiles for a batch of ``tokens`` rows on ``device``: the fastest measured on an H200 (gpu_moe_tune.py).
+    """The tiles for a batch of ``tokens`` rows on ``device``: the fastest measured on an H200.
 
     One row (FMA reductions): a router GEMV in 264 one-warp programs, gate/up programs of 4+4 full-width rows,
     down programs of 16 rows. More rows (``tl.dot``): wider tiles, software-pipelined. PDL on sm_90 and newer.

@@ -12,7 +12,7 @@ name are in flight before its barrier:
    stream and the normed row for phase 1). Its router rows and, where its first gate/up unit is the shared
    expert's, that unit's rows are loaded before the wait for the previous kernel (programmatic dependent launch);
    that unit is multiplied between the program's arrival at the first barrier and its wait there, from the normed
-   row in registers (docs/performance.md, round 16).
+   row in registers.
 1. gate/up: every program routes the row itself from the logits (one bitonic top-k of (logit, -index) keys: the
    highest logits, the lower index first among equal ones; softmax renormalised over the selection) and runs units
    of ``gate_up_rows`` whole inner rows, the shared expert's first, then the selected experts', writing
@@ -29,8 +29,8 @@ launch right after its own wait). Triton's CPU interpreter runs programs one aft
 (``one_launch=False``) the same three phases run as three launches and the kernel boundaries are the barriers. The
 second barrier's last arrival sets the counter back to zero (the next call touches it only after its own
 predecessor wait, so after this grid has ended), so no program ends on an atomic: the 264 acquire-release atomics
-that reset it on the way out cost the H200 step 60 µs (docs/performance.md, round 9). ``trace`` records each
-program's clock at the phase boundaries (``scripts/gpu_moe_sweep.py`` prints the profile). Twin:
+that would reset it on the way out cost the H200 step 60 µs. ``trace`` records each program's clock at the phase
+boundaries. Twin:
 ``ninfer.kernels.reference.moe.moe_forward`` (of ``ninfer.kernels.reference.norms.rms_norm`` of the sum with ``norm_weight``); rounding
 follows ``moe_grouped``.
 """

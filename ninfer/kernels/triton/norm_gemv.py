@@ -60,12 +60,11 @@ def pdl_supported(device: torch.device | str) -> bool:
 
 def default_tiles(tokens: int, device: torch.device | str = "cpu", width: int = 2048) -> GemvTiles:
     """The tiles of ``add_norm_gemv`` for ``tokens`` rows of ``width``: at one row 8 output rows and whole rows of
-    up to 2048 columns per step (a whole 35B-A3B row, FMA; the fastest on the H200, ``scripts/gpu_norm_gemv.py``,
-    docs/performance.md round 5); wider rows in steps of the largest power of two from 256 to 2048 that divides
-    the width, so no step is mostly masked (1024 at the 27B's 5120, whose lm_head ran at 3.7 TB/s in steps of 2048
-    and 4.5 TB/s in steps of 1024, ``scripts/gpu_lm_head.py``, round 17), else 2048. 32-row ``tl.dot`` tiles with
-    256-column steps for more (slower than cuBLAS there: the runner folds norms at one row only). Triton's
-    interpreter takes ``INTERPRETER_ROWS`` output rows per program at one row."""
+    up to 2048 columns per step (a whole 35B-A3B row, FMA; the fastest on the H200); wider rows in steps of the
+    largest power of two from 256 to 2048 that divides the width, so no step is mostly masked (1024 at the 27B's
+    5120, whose lm_head streams 4.5 TB/s in steps of 1024 against 3.7 TB/s in steps of 2048), else 2048. 32-row
+    ``tl.dot`` tiles with 256-column steps for more (slower than cuBLAS there: the runner folds norms at one row
+    only). Triton's interpreter takes ``INTERPRETER_ROWS`` output rows per program at one row."""
     if tokens == 1:
         block_k = 2048
         if width > block_k:
@@ -77,9 +76,8 @@ def default_tiles(tokens: int, device: torch.device | str = "cpu", width: int = 
 
 def default_gated_tiles(tokens: int, device: torch.device | str = "cpu") -> GemvTiles:
     """The tiles of ``gated_norm_gemv``: 8 output rows over 16 heads of 128 per step and 8 warps at one row (the
-    fastest of 9 in the 35B-A3B decode step on the H200: graphs 2.306 -> 2.234 ms against 2 rows and 4 warps, which
-    won in isolation; the 27B step is the same with either, docs/performance.md round 10), 2 heads with 32-row dot
-    tiles for more."""
+    fastest of 9 in the 35B-A3B decode step on the H200: graphs 2.234 ms against 2.306 ms with 2 rows and 4 warps,
+    the fastest in isolation; the 27B step is the same with either), 2 heads with 32-row dot tiles for more."""
     if tokens == 1:
         return GemvTiles(rows=8, block_k=2048, warps=8, stages=2, pdl=pdl_supported(device))
     return GemvTiles(rows=32, block_k=256, warps=4, stages=3, pdl=pdl_supported(device))
@@ -124,8 +122,8 @@ def release_dependents(PDL: tl.constexpr):
     predecessor (then ``after_predecessor(PDL, True)``). The successor may then start while this kernel's
     predecessor still runs (and that one's, where it released early too), so what the successor loads before its
     own wait must not be written by any of them (weights, staged inputs, caches of earlier steps). The decode
-    attention's q/k norm, splits and merge do this (35B-A3B graphs 2.059-2.070 -> 2.044-2.045 ms,
-    docs/performance.md round 18); the gated delta step and the out projections do not (slower)."""
+    attention's q/k norm, splits and merge do this (35B-A3B graphs 2.044 ms against 2.06-2.07 ms without); the
+    gated delta step and the out projections do not (slower with it)."""
     if PDL:
         gdc_launch_dependents()
 
@@ -291,11 +289,10 @@ def _add_norm_gemv_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < out_features
     # The row starts as a select, so that the compiler issues each row's two column chunks back to back instead of
-    # interleaving the rows' (sm_90 SASS; 35B-A3B decode graphs 2.143 -> 2.115 ms, docs/performance.md round 13).
-    # Rows past the weight start in another tensor (their loads are masked): a select between two bases made the
-    # step faster again than one falling back to the weight's first row (graphs 2.122-2.128 -> 2.092-2.095 ms, one
-    # lease, round 14), with the same loads in the same order before the predecessor wait and the projection alone
-    # as fast as before; why is not known.
+    # interleaving the rows' (sm_90 SASS; 35B-A3B decode graphs 2.115 ms against 2.143 ms). Rows past the weight
+    # start in another tensor (their loads are masked): a select between two bases makes the step faster than one
+    # falling back to the weight's first row (graphs 2.09 ms against 2.12-2.13 ms), with the same loads in the same
+    # order before the predecessor wait and the projection alone as fast either way; why is not known.
     w_rows = tl.where(row_valid, w_ptr + rows.to(tl.int64) * width, norm_weight_ptr + (rows - out_features) * width)
     cols = tl.arange(0, BLOCK_K)
     col_valid = cols < width

@@ -14,7 +14,7 @@ import triton.language as tl
 from ninfer.kernels.triton import next_power_of_2
 
 # elements per program of ``gated_rms_norm``: 32 heads of 128 (27B prefill of 8192 tokens on the H200: 298 us with
-# one head per program, 135 us with 16, 117 us with 32, 124 us with 64; scripts/gpu_prefill_kernels.py)
+# one head per program, 135 us with 16, 117 us with 32, 124 us with 64)
 GATED_NORM_ELEMENTS = 4096
 
 
@@ -87,7 +87,7 @@ def _gated_rms_norm_kernel(
     x_ptr, z_ptr, weight_ptr, out_ptr, n_rows, n_cols, heads, x_stride, z_stride, eps,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """``ROWS`` (token, head) rows of ``BLOCK`` columns per program: one head per program left a prefill's ~400K
+    """``ROWS`` (token, head) rows of ``BLOCK`` columns per program: one head per program leaves a prefill's ~400K
     programs of one warp each four times slower than its bytes (H200, 27B)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     token = rows // heads

@@ -45,14 +45,10 @@ def _make_tiny(options: Any) -> Any:
     return make_tiny(options)
 
 
-def _presets(thinking_presence_penalty: float):
-    def presets(_manifest: Any) -> dict[str, SamplingPreset]:
-        return {
-            "thinking": SamplingPreset(1.0, 0.95, 20, 0.0, thinking_presence_penalty),
-            "non_thinking": SamplingPreset(0.7, 0.80, 20, 0.0, 1.5),
-        }
+def _sampling_presets(manifest: Any) -> Mapping[str, SamplingPreset]:
+    from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 
-    return presets
+    return sampling_presets(manifest)
 
 
 @hookimpl
@@ -62,6 +58,7 @@ def ninfer_model_families() -> list[ModelFamily]:
         load_runtime=_load_runtime,
         build_frontend=_build_frontend,
         make_tiny=_make_tiny,
+        sampling_presets=_sampling_presets,
     )
     return [
         ModelFamily(
@@ -69,7 +66,6 @@ def ninfer_model_families() -> list[ModelFamily]:
             architectures=DENSE_ARCHITECTURES,
             model_types=("qwen3_5_text", "qwen3_5"),
             description="Qwen3.5/3.6/3.8 dense hybrid Gated-DeltaNet (e.g. Qwen3.6-27B, Qwen3.8-27B)",
-            sampling_presets=_presets(0.0),
             **common,
         ),
         ModelFamily(
@@ -77,7 +73,6 @@ def ninfer_model_families() -> list[ModelFamily]:
             architectures=MOE_ARCHITECTURES,
             model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
             description="Qwen3.5/3.6 MoE hybrid Gated-DeltaNet (e.g. Qwen3.6-35B-A3B)",
-            sampling_presets=_presets(1.5),
             checkpoint_layout=_checkpoint_layout,  # per-expert checkpoints read as the fused expert layout
             **common,
         ),

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from ninfer.core.conversation import Conversation, Message, TextPart
-from ninfer.protocols.openai_chat.messages import malformed, type_name, unsupported
+from ninfer.protocols.fields import malformed, type_name, unsupported
 
 CLEAR_THINKING = "clear_thinking_20251015"
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"

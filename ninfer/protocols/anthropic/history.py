@@ -24,7 +24,7 @@ import attrs
 
 from ninfer.core.conversation import ContentPart, ImagePart, Message, TextPart, ToolCall, ToolResult
 from ninfer.core.errors import InvalidRequestError
-from ninfer.protocols.openai_chat.messages import malformed, type_name, unsupported
+from ninfer.protocols.fields import malformed, type_name, unsupported
 from ninfer.protocols.reasoning_codec import decode_reasoning
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"

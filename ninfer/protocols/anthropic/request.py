@@ -18,7 +18,7 @@ from ninfer.core.conversation import Conversation, GenerationOptions, ToolDefini
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.anthropic.context import ContextManagement, parse_context_management
 from ninfer.protocols.anthropic.history import CachePlan, lower_history, plan_cache
-from ninfer.protocols.openai_chat.messages import (
+from ninfer.protocols.fields import (
     malformed,
     optional_bool,
     optional_int,

@@ -17,20 +17,22 @@ import attrs
 from ninfer.core.conversation import Conversation, GenerationOptions
 from ninfer.core.errors import InvalidRequestError
 from ninfer.server.routes import ModelNotFoundError
-from ninfer.protocols.openai_chat.messages import (
+from ninfer.protocols.fields import (
     INVALID_VALUE,
-    MessageParser,
-    check_legacy_tool_controls,
     malformed,
     optional_bool,
     optional_int,
     optional_number,
     optional_object,
     optional_str,
-    parse_tool_choice,
-    parse_tools,
     type_name,
     unsupported,
+)
+from ninfer.protocols.openai_chat.messages import (
+    MessageParser,
+    check_legacy_tool_controls,
+    parse_tool_choice,
+    parse_tools,
 )
 
 CONFLICT = "conflicting_template_option"

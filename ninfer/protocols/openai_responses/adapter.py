@@ -46,9 +46,14 @@ from ninfer.server.generation import (
     respond_with_stream,
 )
 from ninfer.server.http import json_bytes, read_json_object, sse_frame
-from ninfer.protocols.openai_chat.messages import malformed, unsupported
+from ninfer.protocols.fields import malformed, unsupported
 from ninfer.protocols.reasoning_codec import encode_reasoning
-from ninfer.protocols.openai_responses.request import ParentContext, ResponsesRequest, parse_include, parse_responses_request
+from ninfer.protocols.openai_responses.request import (
+    ParentContext,
+    ResponsesRequest,
+    parse_include,
+    parse_responses_request,
+)
 from ninfer.protocols.openai_responses.store import ContextSegment, ResponseStore, StoredResponse, items_size
 from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER
 

@@ -17,8 +17,15 @@ from typing import Any, Mapping
 import attrs
 
 from ninfer.core.conversation import ToolDefinition
-from ninfer.protocols.openai_chat.messages import malformed, optional_bool, optional_list, optional_object, optional_str, \
-    type_name, unsupported
+from ninfer.protocols.fields import (
+    malformed,
+    optional_bool,
+    optional_list,
+    optional_object,
+    optional_str,
+    type_name,
+    unsupported,
+)
 
 NO_CONSTRAINED_DECODING = "ninfer does not constrain decoding"
 #: OpenAI-hosted tool types: the provider runs them, so a local server has no executor.

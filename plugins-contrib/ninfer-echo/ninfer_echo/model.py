@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import attrs
 import torch
 
+from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
+from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources
 from ninfer_echo import ARCHITECTURE, MODEL_TYPE
 
 VOCAB_SIZE = 248320
@@ -33,24 +34,15 @@ def expected_weights(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {MARKER_WEIGHT: (1,)}
 
 
-@attrs.frozen
-class EchoTiny:
-    """What ``write_tiny_artifact`` writes for ``--family echo``."""
-
-    architecture: str
-    config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-    generation_defaults: dict[str, Any]
-
-
-def make_tiny(options: Any) -> EchoTiny:
-    """The echo artifact's contents; ``write_tiny_artifact`` adds the Qwen tokenizer and chat template."""
+def make_tiny(options: Any) -> TinyModel:
+    """The echo artifact's contents, with the Qwen tokenizer and the chat template ``options.template``."""
     if getattr(options, "mtp", False):
         raise ConfigError("the echo family has no MTP companion weights; drop --mtp", param="mtp")
     config = echo_config()
-    return EchoTiny(
+    return TinyModel(
         architecture=ARCHITECTURE,
         config=config,
         tensors={name: torch.ones(shape, dtype=torch.bfloat16) for name, shape in expected_weights(config).items()},
         generation_defaults={"eos_token_ids": [IM_END, END_OF_TEXT]},
+        resources=artifact_resources(options.template),
     )

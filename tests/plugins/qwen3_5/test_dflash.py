@@ -17,7 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from ninfer.core.artifact.container import Artifact
 from ninfer.core.artifact.convert import convert_checkpoint
@@ -30,7 +35,7 @@ from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError,
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
-from ninfer.core.tokenizer import build_qwen_tokenizer_json
+from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
 from ninfer.plugins.qwen3_5.model.model import ForwardBatchError
 from ninfer.plugins.qwen3_5.model.runtime import load_runtime
 from speculation_support import assert_idle, drafter_for, make_engine, open_tiny, run

@@ -37,8 +37,9 @@ from ninfer.core.drafting import Draft, SpeculativeConfig
 from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError, WeightMismatchError
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
-from ninfer.core.artifact.tiny import TinyOptions, tiny_resources
-from ninfer.core.tokenizer import build_qwen_tokenizer_json
+from ninfer.core.artifact.tiny import TinyOptions
+from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources as tiny_resources
+from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
 from ninfer.plugins.qwen3_5.speculative.dflash import BlockRow
 from ninfer.plugins.qwen3_5.speculative.dflash2_drafter import gumbel_noise
 from ninfer.plugins.qwen3_5.frontend.templates import template_source

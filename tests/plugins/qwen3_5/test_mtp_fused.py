@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from kernel_support import rel_err
 
-from ninfer.bench.spec import bench_sequence
+from ninfer.engine import decoding_sequence as bench_sequence
 from ninfer.core.runtime import text_positions
 from ninfer.engine.batching import build_batch
 from ninfer.engine.commit import commit_sampled
@@ -25,7 +25,12 @@ from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
-from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_mtp_weights, random_text_weights
+from ninfer.plugins.qwen3_5.model.synthetic import (
+    InMemorySource,
+    build_runtime,
+    random_mtp_weights,
+    random_text_weights,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -10,8 +10,8 @@ of 1, 4, 16, ... layers (the last takes the rest, ``segment_bounds``). The GPU s
 call returns, which costs the host up to ~0.1 ms for a whole step, so when every step waits for its token on the
 host a one-layer first graph lets the GPU start at once. With overlapped decode (the engine's CUDA default) the next
 step is launched while this one runs, so the default is one graph: each segment boundary is a gap that no
-programmatic dependent launch bridges (35B-A3B on the H200: graphs 2.306 -> 2.284 ms, overlapped step 2.351 ->
-2.327 ms against 4 segments, the plain step unchanged; docs/performance.md round 10).
+programmatic dependent launch bridges (35B-A3B on the H200, one graph against 4 segments: graphs 2.284 against
+2.306 ms, overlapped step 2.327 against 2.351 ms, the plain step the same).
 
 For batches of at most ``norm_gemv_rows`` rows the norms fold into the GEMVs that read them (``norm_gemv``): the
 input add+RMSNorm into the mixer's input projection, the Gated DeltaNet output norm into its out projection, and
@@ -247,25 +247,24 @@ class DecodeGraphRunner:
         # MoE block as three launches with each selected expert read once per batch (``grouped_moe_decode``:
         # router GEMV + routing, grouped gate/up + SiLU·mul, grouped down + combine + shared expert) for batches
         # of at most this many rows (0: never; capped at GROUPED_MOE_MAX_ROWS); its counters live in one
-        # workspace that every call leaves zeroed. Default 1: faster at batch 1 on the H200, slower at 8 rows
-        # (docs/performance.md, round 4).
+        # workspace that every call leaves zeroed. Default 1: faster at batch 1 on the H200, slower at 8 rows.
         self.grouped_moe_rows = grouped_moe_rows
         # one-row MoE blocks as one persistent launch (``persistent_moe_decode``: router, gate/up and down phases
-        # behind grid barriers) instead of the grouped kernels' three (docs/performance.md, round 7)
+        # behind grid barriers) instead of the grouped kernels' three
         self.persistent_moe = persistent_moe
         self._moe_workspace = moe_workspace(self.config.hidden_size, model.device) if self.config.is_moe else None
         # programs per Gated DeltaNet value head in the decode kernel (> 1: the output norm becomes a second launch;
-        # 4 measured fastest at 1 and 8 rows on the H200, docs/performance.md round 4)
+        # 4: the fastest at 1 and 8 rows on the H200)
         self.gdn_value_split = gdn_value_split
         # the Gated DeltaNet steps leave up to this many updates of a state pending (``pending_state``) and store it
-        # once every ``pending_updates + 1`` steps (0: every step); 4 measured fastest on the H200 (8: no faster than
-        # storing every step, the replay before the step grows; docs/performance.md round 21)
+        # once every ``pending_updates + 1`` steps (0: every step); 4: the fastest on the H200 (8 is no faster than
+        # storing every step: the replay before the step grows)
         if pending_updates < 0:
             raise ValueError(f"pending_updates must be >= 0, got {pending_updates}")
         self.pending_updates = pending_updates
         # norms folded into the GEMVs that read them (``norm_gemv``) for batches of at most this many rows (0: never;
         # capped at NORM_GEMV_MAX_ROWS); ``norm_gemv_ffn``: the post-attention norm too. ``accelerate`` chooses it
-        # per model from the H200 measurements (docs/performance.md, round 5).
+        # per model from the H200 measurements (docs/lab/performance-history.md).
         for name, rows in (("norm_gemv_rows", norm_gemv_rows), ("down_gemv_rows", down_gemv_rows),
                            ("out_gemv_rows", out_gemv_rows)):
             if rows < 0:
@@ -274,7 +273,7 @@ class DecodeGraphRunner:
         self.norm_gemv_ffn = norm_gemv_ffn
         # batches of at most this many rows run the dense MLP's SiLU·mul + down projection as one ``act_gemv``
         # launch (``down_gemv_rows``) and the attention / unfolded GDN output projections on ``act_gemv`` instead of
-        # cuBLAS (``out_gemv_rows``); 0: never (docs/performance.md, round 6)
+        # cuBLAS (``out_gemv_rows``); 0: never
         self.down_gemv_rows = down_gemv_rows
         self.out_gemv_rows = out_gemv_rows
         self._graphs: dict[tuple, CapturedStep] = {}
@@ -441,10 +440,10 @@ class DecodeGraphRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(final-normed hidden, logits with the activation dtype's values)``: at one row, and where the layers
         fold their norms, the final norm goes inside the lm_head GEMV, which stores the logits as fp32 (faster than
-        the norm launch and cuBLAS at one row: 35B-A3B 222 against 242 µs, 27B 562 against 597 µs on the H200,
-        docs/performance.md round 17). With the step's ``inputs`` (a decode step) it stores them at the staged
-        ``logits_address`` (then the logits returned are None: no copy after a replay) and takes the argmax below
-        the staged ``greedy_below`` into ``greedy_address`` (``ArgmaxEpilogue``: no argmax launches after it)."""
+        the norm launch and cuBLAS at one row: 35B-A3B 222 against 242 µs, 27B 562 against 597 µs on the H200).
+        With the step's ``inputs`` (a decode step) it stores them at the staged ``logits_address`` (then the logits
+        returned are None: no copy after a replay) and takes the argmax below the staged ``greedy_below`` into
+        ``greedy_address`` (``ArgmaxEpilogue``: no argmax launches after it)."""
         model, eps = self.model, self.config.rms_norm_eps
         if self._lm_head_folds(carry.hidden.shape[0]):
             _, logits, final = add_norm_gemv(

@@ -11,14 +11,13 @@ template without tiers ignores it; ``--strict-effort`` rejects an unexposed valu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ninfer.core.artifact.container import CHAT_TEMPLATE_RESOURCE
 from ninfer.core.chat_template import EFFORT_VOCABULARY, ChatTemplate
 from ninfer.core.conversation import Conversation, GenerationOptions, Message, TextPart
-from ninfer.core.descriptors import ModelFamily, SamplingPreset
 from ninfer.core.errors import ArtifactError, InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import PreparedRequest, PromptCapabilities
 from ninfer.core.request import BudgetClose, GenerationRequest
@@ -28,10 +27,11 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     QwenOutputDecoder,
     thinking_budget_control_text,
 )
+from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.artifact.container import Manifest, ModelSource
+    from ninfer.core.artifact.container import ModelSource
     from ninfer.core.config import ServeConfig
     from ninfer.core.tokenizer import Tokenizer
 
@@ -145,26 +145,14 @@ def resolve_thinking(conversation: Conversation, capabilities: PromptCapabilitie
     return ThinkingMode(thinking=thinking, requested_effort=effort, resolved_effort=resolved)
 
 
-def family_for(manifest: Manifest) -> ModelFamily:
-    """The registered family of ``manifest``: built-ins first, then entry-point plugins (e.g. a family that reuses
-    this frontend)."""
-    from ninfer.core.plugins import load_plugin_manager
-
-    try:
-        return load_plugin_manager(entry_points=False).registries.family_for(manifest)
-    except ArtifactError:
-        return load_plugin_manager().registries.family_for(manifest)
-
-
 class QwenFrontend:
     """:class:`ninfer.core.frontend.Frontend` for Qwen3.5/3.6/3.8 chat templates.
 
     The template is compiled and its capabilities resolved at construction (a broken template fails at startup).
-    ``family`` supplies the sampling presets; by default the registered family that recognizes the artifact.
+    Its sampling presets are the Qwen model cards' (:func:`sampling_presets`).
     """
 
-    def __init__(self, artifact: ModelSource, config: ServeConfig, tokenizer: Tokenizer, *,
-                 family: ModelFamily | None = None) -> None:
+    def __init__(self, artifact: ModelSource, config: ServeConfig, tokenizer: Tokenizer) -> None:
         self._config = config
         self._policy = config.request_policy
         self._tokenizer = tokenizer
@@ -183,9 +171,8 @@ class QwenFrontend:
             raise ArtifactError(f"{artifact.path}: the tokenizer has no single token for {THINK_CLOSE!r}")
         self.think_close_id = close_ids[0]
         self.budget_insert_ids = tuple(tokenizer.encode(thinking_budget_control_text()))
-        family = family if family is not None else family_for(manifest)
-        presets: Mapping[str, SamplingPreset] = family.sampling_presets(manifest) if family.sampling_presets else {}
-        self._presets = {True: presets.get("thinking"), False: presets.get("non_thinking")}
+        presets = sampling_presets(manifest)
+        self._presets = {True: presets["thinking"], False: presets["non_thinking"]}
 
     # -- the Frontend contract ----------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from typing import Literal, get_args
 
+from ninfer.core.artifact.container import CHAT_TEMPLATE_RESOURCE, TOKENIZER_RESOURCE
 from ninfer.core.errors import ConfigError
 
 TemplateName = Literal["qwen3_6", "qwen3_8"]
@@ -21,3 +22,13 @@ def template_source(name: TemplateName) -> str:
     if name not in TEMPLATE_NAMES:
         raise ConfigError(f"unknown Qwen chat template {name!r}; choose one of {', '.join(TEMPLATE_NAMES)}")
     return resources.files(__package__).joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def artifact_resources(name: TemplateName) -> dict[str, bytes]:
+    """The resources a Qwen-vocabulary artifact embeds: the built-in tokenizer and ninfer's template ``name``."""
+    from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
+
+    return {
+        TOKENIZER_RESOURCE: build_qwen_tokenizer_json().encode("utf-8"),
+        CHAT_TEMPLATE_RESOURCE: template_source(name).encode("utf-8"),
+    }

@@ -203,7 +203,7 @@ def accelerate(
     from ninfer.plugins.qwen3_5.model.fused import fuse_model
 
     model, fused = fuse_model(model, on_layer)
-    # norms folded into the GEMVs at batch 1 (H200: 35B-A3B step 2.95 -> 2.74 ms in round 5; 27B overlapped step
-    # 13.46 -> 13.13 ms in round 19, once the GEMV took 5120-wide rows in 1024-column steps); at 8 rows cuBLAS is
-    # faster for both (docs/performance.md)
+    # norms folded into the GEMVs at batch 1 (H200: 35B-A3B step 2.74 ms against 2.95 ms unfolded; 27B overlapped
+    # step 13.13 against 13.46 ms, the GEMV taking 5120-wide rows in 1024-column steps); at 8 rows cuBLAS is faster
+    # for both
     return model, DecodeGraphRunner(model, fused, use_graphs=cuda_graphs, norm_gemv_rows=1)

