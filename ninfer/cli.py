@@ -210,7 +210,7 @@ def artifact() -> None:
 @click.pass_context
 def artifact_inspect(ctx: click.Context, file: str, as_json: bool) -> None:
     """Show what FILE (a .ninfer artifact or Hugging Face directory) contains."""
-    from ninfer.core.artifact.container import open_model_source
+    from ninfer.core.artifact.source import open_model_source
 
     registries = plugin_manager(ctx).registries
     with open_model_source(file, registries) as opened:

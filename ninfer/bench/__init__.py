@@ -1,0 +1,1 @@
+"""Benchmarks: ``ninfer bench`` through the engine, synthetic real-shape steps, speculative rounds."""

@@ -1,8 +1,9 @@
 """The request the engine executes: prompt token ids, resolved sampling, output and thinking budgets.
 
-A frontend's ``prepare`` resolves it once through :class:`RequestPolicy` (the serve-wide defaults and ceilings);
-the engine only checks its invariants. Direct engine users (the offline ``LLM`` API, benchmarks) may leave
-``max_tokens`` unset and the engine resolves it with the same policy.
+A frontend's ``prepare`` resolves it once through :class:`RequestPolicy` (the serve-wide defaults and ceilings)
+and the engine checks its invariants. ``max_tokens`` None means the server default; the effective output budget is
+always :meth:`RequestPolicy.output_budget`, and a direct engine user (the offline ``LLM`` API, benchmarks) gets the
+same policy applied by the engine.
 """
 
 from __future__ import annotations

@@ -4,5 +4,5 @@ BUILTIN_PLUGINS = (
     "ninfer.plugins.qwen3_5",
     "ninfer.plugins.speculative",
     "ninfer.plugins.kv_dtypes",
-    "ninfer.server.builtin_adapters",
+    "ninfer.protocols.builtin",
 )

@@ -1,1 +1,1 @@
-"""HTTP layer: the falcon ASGI app and one adapter module per wire protocol."""
+"""Wire adapters: one package per protocol, the field readers they share, the reasoning codec."""

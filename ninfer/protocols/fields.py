@@ -7,6 +7,7 @@ ninfer cannot provide uses ``unsupported_parameter`` with a message naming the g
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Mapping
 
@@ -105,3 +106,16 @@ def cache_breakpoint(part: Mapping[str, Any], param: str) -> bool:
     if mode != "explicit":
         raise malformed(f"{param}.prompt_cache_breakpoint.mode", f"expected 'explicit', got {mode!r}")
     return True
+
+
+def json_object_string(raw: Any, param: str) -> dict[str, Any]:
+    """A JSON-object string (tool-call arguments; member order kept)."""
+    if not isinstance(raw, str):
+        raise malformed(param, f"expected a JSON object string, got {type_name(raw)}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise malformed(param, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise malformed(param, f"expected a JSON object, got {type_name(value)}")
+    return value

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ninfer.core.artifact.container import ModelSource, open_model_source
+from ninfer.core.artifact.container import ModelSource
+from ninfer.core.artifact.source import open_model_source
 from ninfer.core.drafting import Drafter, SpeculativeConfig
 from ninfer.core.errors import ConfigError
 from ninfer.core.plugins import given_or_process

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import uvicorn
 
-from ninfer.core.artifact.container import open_model_source
+from ninfer.core.artifact.source import open_model_source
 from ninfer.core.config import CONTINUATION_LIMIT_OPTIONS, changed_options, option_flag
 from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.errors import ConfigError, NotYetAvailableError

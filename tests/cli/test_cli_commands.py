@@ -43,7 +43,7 @@ def test_plugins_list_json_shows_builtin_registrations(manager):
     assert backends == {"mtp": [1, 5], "dflash": [1, 15], "dflash2": [1, 15]}
     kv = {item["name"] for item in rows["ninfer.plugins.kv_dtypes"]["registers"]["KV dtype"]}
     assert kv == {"bf16", "int8", "fp8", "nvfp4", "k8v4"}
-    adapters = {item["name"] for item in rows["ninfer.server.builtin_adapters"]["registers"]["protocol adapter"]}
+    adapters = {item["name"] for item in rows["ninfer.protocols.builtin"]["registers"]["protocol adapter"]}
     assert {"health", "models", "openai_chat", "openai_responses", "anthropic_messages"} <= adapters
     for row in rows.values():
         assert row["distribution"] == "ninfer" and row["builtin"] is True

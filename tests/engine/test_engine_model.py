@@ -6,12 +6,11 @@ import json
 import random
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from ninfer import LLM, SamplingParams
 from ninfer.bench.engine import bench_command
-from ninfer.core.artifact.container import open_model_source
+from ninfer.core.artifact.source import open_model_source
 from ninfer.core.request import GenerationRequest
 from ninfer.engine import Engine, EngineConfig
 from ninfer.core.request import BudgetClose
@@ -21,6 +20,7 @@ from ninfer.core.runtime import LoadOptions
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
 from ninfer.core.tokenizer import IncrementalDetokenizer
 from engine_fakes import GatedRuntime, RecordingRuntime
+from kernel_support import needs_cuda
 
 MAX_CONTEXT = 256
 
@@ -136,7 +136,7 @@ def test_overlapped_decode_gives_the_same_tokens_endings_and_checkpoints(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_overlapped_decode_on_cuda_gives_the_same_tokens_endings_and_checkpoints(tiny):
     """The same on the CUDA runtime (decode graphs, the masked conv / gated-delta kernels, pinned copies), where the
     overlap is the default; one request at a time."""
@@ -231,7 +231,7 @@ def test_bench_command_reports_json(tiny_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_engine_on_cuda_with_auto_kv_capacity(tiny_path):
     registries = load_plugin_manager(entry_points=False).registries
     with open_model_source(tiny_path) as artifact:

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import DEVICE, needs_triton
 
 from ninfer.bench.spec import SpecRows, build_spec_runtime
 from ninfer.core.request import SamplingParams
 from ninfer.engine.sampler import RowSampler
 from ninfer.engine.speculative import StateRollback, sampled_distributions, target_distribution
 from ninfer.core.runtime import CapturedStates, StateCache
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
 
 
 def _random(shape, dtype, generator):

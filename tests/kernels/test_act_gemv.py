@@ -11,20 +11,23 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import assert_pdl_graph_matches_plain, rel_err
-
-from ninfer.kernels.triton import triton_available
+from kernel_support import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    assert_pdl_graph_matches_plain,
+    needs_gpu_pdl,
+    rel_err,
+    seed_each_test,
+    skip_module_without_triton,
+)
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.act_gemv import act_gemv, default_act_tiles  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 # (K, out rows): 27B dense down, 35B-A3B attention out, an odd one; the interpreter: toy shapes
 SHAPES = [(17408, 5120), (4096, 2048), (1000, 333)] if CUDA else [(40, 37), (200, 64)]
@@ -34,9 +37,7 @@ def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(7)
+_seed = seed_each_test(7)
 
 
 @pytest.mark.parametrize("width, out_rows", SHAPES)
@@ -72,7 +73,7 @@ def test_bad_inputs_are_refused_by_name():
         act_gemv(randn(65, 16), weight)
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+@needs_gpu_pdl
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens):
     """Down projection after its gate/up GEMM (a cuBLAS kernel writes the input), then a plain GEMV of the result."""

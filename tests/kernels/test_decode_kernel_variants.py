@@ -10,28 +10,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, DTYPE, rel_err, seed_each_test, skip_module_without_triton
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.reference.norms import gated_rms_norm
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_text_weights
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.norms import gated_rms_norm as triton_gated_rms_norm  # noqa: E402
 from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner  # noqa: E402
 from ninfer.plugins.qwen3_5.model.fused import fuse_model  # noqa: E402
 
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 STATE_TOL = 1e-4
 BIG = CUDA
@@ -41,9 +36,7 @@ def randn(*shape, scale=1.0):
     return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+_seed = seed_each_test(1234)
 
 
 def test_split_gated_delta_rejects_uneven_split():

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, rel_err, skip_module_without_triton
 
 from ninfer.kernels.reference.gated_delta import chunk_gated_delta_rule
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.reference.prefill import prefill_gated_delta_rule  # noqa: E402
 from ninfer.kernels.triton.gated_delta_chunk import chunk_gated_delta_rule_fused  # noqa: E402
@@ -43,7 +39,7 @@ def model_inputs(
     dim: int = HEAD_DIM,
     dtype: torch.dtype = torch.float32,
     initial: str = "random",
-    device: str = DEVICE,
+    device: torch.device | str = DEVICE,
     seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """``q, k, v`` as views of one conv output ``[B, T, 2*Hk*D + Hv*D]``, ``g, beta`` fp32, the initial state."""
@@ -66,7 +62,9 @@ def model_inputs(
     return q, k, v, g.to(device), beta.to(device), None if state is None else state.to(device)
 
 
-def check_fused_rule(length: int, dtype: torch.dtype, initial: str, *, device: str = DEVICE, **dims: int) -> None:
+def check_fused_rule(
+    length: int, dtype: torch.dtype, initial: str, *, device: torch.device | str = DEVICE, **dims: int
+) -> None:
     """Run the fused rule on ``device`` and compare it with ``chunk_gated_delta_rule`` in fp32 on the CPU."""
     q, k, v, g, beta, state = model_inputs(length, dtype=dtype, initial=initial, device=device, seed=length, **dims)
     assert not q.is_contiguous() and q.stride(-1) == 1  # read in place through the views' strides

@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from kernel_support import CUDA, DEVICE
 
 from ninfer.kernels.triton import triton_importable
 
@@ -23,7 +24,6 @@ from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta  # noqa: E402
 from ninfer.kernels.triton.norm_gemv import add_norm_gemv, gated_norm_gemv, pdl_supported  # noqa: E402
 
-CUDA = torch.cuda.is_available()
 HOPPER = CUDA and pdl_supported("cuda")
 EPS = 1e-6
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_KERNEL, HIDDEN = 16, 32, 128, 4, 2048  # 35B-A3B's linear-attention layers
@@ -146,13 +146,12 @@ def test_pdl_matches_plain_launch_in_a_graph(predecessor, rows, value_split):
 
 @pytest.mark.skipif(HOPPER, reason="checks the refusal on devices without programmatic dependent launch")
 def test_pdl_refused_without_device_support():
-    device = "cuda" if CUDA else "cpu"
-    x = torch.zeros(1, 8, device=device)
-    conv_cache = torch.zeros(2, 8, 3, device=device)
-    slots = torch.zeros(1, dtype=torch.long, device=device)
+    x = torch.zeros(1, 8, device=DEVICE)
+    conv_cache = torch.zeros(2, 8, 3, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="pdl=True needs"):
-        causal_conv1d_update(x, torch.zeros(8, 4, device=device), conv_cache, slots, pdl=True)
-    qkv, gates = torch.zeros(1, 2 * 16 + 2 * 16, device=device), torch.zeros(1, 2, device=device)
-    ssm_cache = torch.zeros(2, 2, 16, 16, device=device)
+        causal_conv1d_update(x, torch.zeros(8, 4, device=DEVICE), conv_cache, slots, pdl=True)
+    qkv, gates = torch.zeros(1, 2 * 16 + 2 * 16, device=DEVICE), torch.zeros(1, 2, device=DEVICE)
+    ssm_cache = torch.zeros(2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="pdl=True needs"):
         fused_recurrent_gated_delta(qkv, gates, gates, gates[0], gates[0], ssm_cache, slots, key_heads=1, pdl=True)

@@ -15,16 +15,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 import moe_support
-from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from kernel_support import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    assert_pdl_graph_matches_plain,
+    needs_gpu_pdl,
+    rel_err,
+    seed_each_test,
+    skip_module_without_triton,
+)
 from moe_support import check_against_twin, experts_with_routing, fused_views
-
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
     MAX_TOKENS,
@@ -36,8 +41,6 @@ from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
     route_experts,
 )
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 # (hidden, inner, shared inner, experts, top_k): the 35B-A3B shape, sizes that are not powers of two, the tiny
 # test model of tests/test_qwen35_model.py
@@ -77,9 +80,7 @@ def check_routing(routing, x, w, top_k: int) -> None:
     assert routing.active[: len(listed)].tolist() == listed
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+_seed = seed_each_test(1234)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -138,7 +139,7 @@ def test_grouped_moe_without_shared_expert(tokens):
     assert rel_err(out, experts_with_routing(x, routing.weights, routing.experts, w, shared=False)) < TOL
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+@needs_gpu_pdl
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens):
     """The three kernels launched with PDL and captured in a CUDA graph give the plain launches' result."""

@@ -14,17 +14,23 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from kernel_support import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    assert_pdl_graph_matches_plain,
+    needs_gpu_pdl,
+    rel_err,
+    seed_each_test,
+    skip_module_without_triton,
+)
 from moe_support import check_against_twin, experts_with_routing, fused_views, make_block
 
 from ninfer.kernels.reference.norms import rms_norm
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -38,8 +44,6 @@ from ninfer.kernels.triton.moe_persistent import (  # noqa: E402
     persistent_moe_decode,
 )
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 EPS = 1e-6
 # (hidden, inner, shared inner, experts, top_k)
@@ -52,9 +56,7 @@ def randn(*shape, scale=1.0):
     return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(4321)
+_seed = seed_each_test(4321)
 
 
 def run(hidden, pending, norm, w, views, top_k, workspace, **options):
@@ -104,7 +106,7 @@ def test_persistent_moe_matches_experts_and_twin(shape, programs, entry):
     assert not workspace.any()
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+@needs_gpu_pdl
 def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches():
     """Blocks chained through the residual stream, launched with PDL and captured in one CUDA graph, give the plain
     launches' results (the counter is reset between the grid barriers of consecutive launches)."""

@@ -12,17 +12,23 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from kernel_support import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    assert_pdl_graph_matches_plain,
+    needs_gpu_pdl,
+    rel_err,
+    seed_each_test,
+    skip_module_without_triton,
+)
 
 from ninfer.kernels.reference.conv import causal_conv1d
 from ninfer.kernels.reference.norms import gated_rms_norm, rms_norm
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.moe_grouped import (  # noqa: E402
     grouped_moe_decode,
@@ -42,8 +48,6 @@ from ninfer.kernels.triton.norm_gemv import (  # noqa: E402
     greedy_ids_from_keys,
 )
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5
 EPS = 1e-6
 # (hidden, out rows): 35B-A3B GDN in (qkvzba), attention in (q+gate, k, v), MoE entry (router, shared gate/up,
@@ -62,9 +66,7 @@ def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(4321)
+_seed = seed_each_test(4321)
 
 
 def add_norm_twin(hidden, pending, norm_weight, weight):
@@ -338,7 +340,7 @@ def test_router_with_norm_only_leaves_hidden_as_is():
     assert torch.equal(routing.experts, route_experts(normed, block["router"], 2).experts)
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+@needs_gpu_pdl
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_programmatic_dependent_launch_in_a_graph_matches_plain_launches(tokens):
     """A chain of the fused GEMVs launched with PDL and captured in a CUDA graph gives the plain launches' result."""

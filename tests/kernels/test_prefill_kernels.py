@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import needs_cuda, rel_err
 
 from ninfer.kernels.reference.attention import paged_attention
 from ninfer.kernels.reference.gated_delta import recurrent_gated_delta_rule
@@ -62,7 +62,7 @@ def test_grouped_moe_matches_reference_moe():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_prefill_paths_in_bf16_match_the_fp32_reference():
     from ninfer.kernels.reference.prefill import prefill_attention, prefill_gated_delta_rule
 

@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, DTYPE, rel_err, skip_module_without_triton
 
 from ninfer.kernels.reference.conv import causal_conv1d
 from ninfer.kernels.reference.gated_delta import recurrent_gated_delta_rule
 from ninfer.kernels.reference.prefill import batched_chunk_gated_delta_rule, chunk_state_pass_torch
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.chunk_state import chunk_state_pass  # noqa: E402
 from ninfer.kernels.triton.conv import causal_conv1d_prefill  # noqa: E402
-
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 
 
 @pytest.mark.parametrize("chunks, key_dim, value_dim", [(1, 16, 16), (5, 32, 64)])

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import CUDA, DEVICE, needs_cuda_triton, needs_triton
 
 from ninfer.core import request
 from ninfer.core.request import SamplingParams
 from ninfer.engine.sampler import RowSampler, sample_tokens
 from ninfer.kernels.reference import sampling as twin
-from ninfer.kernels.triton import triton_available
 
 CAP = twin.TOP_K_CAP
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-KERNEL = triton_available(DEVICE)
 BIG_VOCAB = 248320 if CUDA else 5000  # the real Qwen3.5 vocabulary on the GPU, a small one in the interpreter
 
 
@@ -143,8 +140,7 @@ def test_twin_rejects_mismatched_per_row_parameters():
 
 def kernel_test(test):
     """Marks a kernel case: ``gpu``, and skipped unless Triton runs on CUDA or in its interpreter."""
-    skip = pytest.mark.skipif(not KERNEL, reason="needs Triton on a CUDA device (or TRITON_INTERPRET=1)")
-    return pytest.mark.gpu(skip(test))
+    return pytest.mark.gpu(needs_triton(test))
 
 
 def random_batch(rows: int, vocab: int, seed: int, penalized: int) -> dict:
@@ -274,7 +270,7 @@ def fresh_row_sampler():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (CUDA and KERNEL), reason="needs Triton on a CUDA device")
+@needs_cuda_triton
 def test_sample_tokens_on_cuda_uses_the_kernel_and_reproduces_the_cpu_tokens(monkeypatch, fresh_row_sampler):
     import ninfer.kernels.triton.sampling as kernel
 

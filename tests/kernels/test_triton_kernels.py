@@ -11,7 +11,16 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import assert_pdl_graph_matches_plain, rel_err
+from kernel_support import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    assert_pdl_graph_matches_plain,
+    needs_gpu_pdl,
+    rel_err,
+    seed_each_test,
+    skip_module_without_triton,
+)
 
 from ninfer.core.runtime import StateCache, state_update_mask
 from ninfer.kernels.reference.attention import paged_attention, paged_slot_mapping, write_paged_kv
@@ -20,13 +29,10 @@ from ninfer.kernels.reference.gated_delta import recurrent_gated_delta_rule
 from ninfer.kernels.reference.moe import moe_forward
 from ninfer.kernels.reference.norms import gated_rms_norm, rms_norm
 from ninfer.kernels.reference.rope import apply_rotary, mrope_axis_of_frequency, rope_inverse_frequencies, rotary_cos_sin
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv  # noqa: E402
 from ninfer.kernels.triton.conv import causal_conv1d_update  # noqa: E402
@@ -36,8 +42,6 @@ from ninfer.kernels.triton.norms import add_rms_norm, gated_rms_norm as triton_g
 from ninfer.kernels.triton.pending_state import PendingStateUpdates  # noqa: E402
 from ninfer.kernels.triton.staging import decode_prologue, stage_inputs  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 STATE_TOL = 1e-4
 BIG = CUDA  # real head sizes on the GPU, toy ones in the interpreter
@@ -47,9 +51,7 @@ def randn(*shape, dtype=DTYPE, scale=1.0):
     return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+_seed = seed_each_test(1234)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -251,7 +253,7 @@ def test_paged_attention_decode(split_tokens, lens_dtype):
     assert rel_err(out.view(rows, query_heads, dim), ref) < TOL
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch and CUDA graphs need a GPU")
+@needs_gpu_pdl
 def test_attention_decode_chain_with_programmatic_dependent_launch_in_a_graph_matches_plain_launches():
     """The decode attention layer's launches after a GEMV that writes the projection and triggers its dependents
     early (``act_gemv``): q/k norms + RoPE with the KV write, the split-K partials, their reduce with the gate, and

@@ -82,7 +82,7 @@ def post(server: LiveServer, payload: dict[str, Any], timeout: float = 60) -> Ex
 
 def mounted(adapter: str) -> bool:
     """Whether the built-in protocol adapter ``adapter`` is mounted (not a 501 placeholder) in this tree."""
-    from ninfer.server.builtin_adapters import ninfer_protocol_adapters
+    from ninfer.protocols.builtin import ninfer_protocol_adapters
 
     return any(a.name == adapter and a.mount is not None for a in ninfer_protocol_adapters())
 

@@ -292,3 +292,11 @@ def test_sigterm_cancels_in_flight_requests_and_exits_zero(plain):
     assert log.count("openai_chat cancelled") == cancelled_before + 1 and log.rstrip().endswith("INFO stopped")
     payloads = sse_data(stream.lines)
     assert payloads[-1]["error"]["code"] == "engine_unavailable" and "[DONE]" not in payloads
+
+
+def test_startup_warns_about_nothing_the_user_did_not_set(secured, plain):
+    """The flags of these servers select nothing that is missing, so their startup log has no WARNING line."""
+    for server in (secured, plain):
+        startup = server.log().split(" INFO ready: serving ")[0]
+        assert " INFO loading " in startup
+        assert " WARNING " not in startup, startup

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
-from ninfer.core.artifact.container import open_model_source
+from ninfer.core.artifact.source import open_model_source
 from ninfer.core.request import GenerationRequest, SamplingParams
 from ninfer.engine import Engine, EngineConfig
 from ninfer.server.compose import artifact_tokenizer, build_drafter

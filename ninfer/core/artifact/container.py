@@ -13,16 +13,13 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import attrs
 import cattrs
 import torch
 
 from ninfer.core.errors import ArtifactError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ninfer.core.plugins import Registries
 
 FORMAT_NAME = "ninfer"
 FORMAT_VERSION = 1
@@ -388,13 +385,3 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def tensor_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
     """Entries for in-memory tensors (tiny artifacts, tests)."""
     return [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
-
-
-def open_model_source(path: str | os.PathLike[str], registries: "Registries | None" = None) -> ModelSource:
-    """Open a .ninfer file, or a Hugging Face checkpoint directory seen through its family's layout."""
-    path = Path(path)
-    if path.is_dir():
-        from ninfer.core.artifact.hf_directory import open_hf_directory
-
-        return open_hf_directory(path, registries=registries)
-    return Artifact.open(path)

@@ -1,0 +1,1 @@
+"""Anthropic Messages: request and history lowering, context editing and the resources (``adapter``)."""

@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions: request parsing (``request``, ``messages``) and the resource (``adapter``)."""

@@ -6,7 +6,6 @@ Every problem is an :class:`InvalidRequestError` whose ``param`` is the exact fi
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 from ninfer.core.conversation import (
@@ -21,6 +20,7 @@ from ninfer.core.conversation import (
 )
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
+    json_object_string,
     VISION_DISABLED,
     cache_breakpoint,
     malformed,
@@ -142,15 +142,7 @@ def _arguments(raw: Any, param: str) -> Mapping[str, Any]:
         return raw
     if raw is None or raw == "":
         return {}
-    if not isinstance(raw, str):
-        raise malformed(param, f"expected a JSON object string, got {type_name(raw)}")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise malformed(param, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, dict):
-        raise malformed(param, f"expected a JSON object, got {type_name(value)}")
-    return value
+    return json_object_string(raw, param)
 
 
 def _function_name(function: Any, param: str) -> str:

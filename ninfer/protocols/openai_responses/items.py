@@ -6,12 +6,19 @@ conversation turns.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any, Mapping
 
 from ninfer.core.errors import InvalidRequestError
-from ninfer.protocols.fields import VISION_DISABLED, cache_breakpoint, malformed, optional_str, type_name, unsupported
+from ninfer.protocols.fields import (
+    json_object_string,
+    VISION_DISABLED,
+    cache_breakpoint,
+    malformed,
+    optional_str,
+    type_name,
+    unsupported,
+)
 from ninfer.protocols.reasoning_codec import decode_reasoning
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -163,25 +170,12 @@ def _call_id(item: Mapping[str, Any], param: str) -> str:
     return call_id
 
 
-def parse_arguments(raw: Any, param: str) -> Mapping[str, Any]:
-    """A JSON-object string of call arguments (member order kept)."""
-    if not isinstance(raw, str):
-        raise malformed(param, f"expected a JSON object string, got {type_name(raw)}")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise malformed(param, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, dict):
-        raise malformed(param, f"expected a JSON object, got {type_name(value)}")
-    return value
-
-
 def _function_call_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
     _check_completed(item, param)
     call_id = _call_id(item, param)
     names = _name_fields(item, param, required=True)
     arguments = item.get("arguments")
-    parse_arguments(arguments, f"{param}.arguments")
+    json_object_string(arguments, f"{param}.arguments")
     return {"id": None, "type": "function_call", "call_id": call_id, **names, "arguments": arguments,
             "status": "completed"}
 

@@ -20,6 +20,7 @@ from ninfer.core.conversation import ContentPart, Conversation, GenerationOption
     ToolCall, ToolResult, VideoPart
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
+    json_object_string,
     INVALID_VALUE,
     malformed,
     optional_bool,
@@ -33,7 +34,7 @@ from ninfer.protocols.fields import (
 from ninfer.protocols.openai_chat.request import CACHE_MODES, CACHE_RETENTIONS, check_model
 from ninfer.protocols.reasoning_codec import INCLUDE_ENCRYPTED_REASONING
 from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER, HOSTED_IGNORE, parse_tool_choice, parse_tools
-from ninfer.protocols.openai_responses.items import CALL_TYPES, RESULT_TYPES, canonical_input, parse_arguments
+from ninfer.protocols.openai_responses.items import CALL_TYPES, RESULT_TYPES, canonical_input
 
 UNKNOWN_PARAMETER = "unknown_parameter"
 INVALID_ASSISTANT_HISTORY = "invalid_assistant_history"
@@ -112,7 +113,7 @@ class _AssistantTurn:
             self.calls.append(ToolCall(item["call_id"], item["name"], {FREEFORM_PARAMETER: item["input"]},
                                        item_id=item["id"]))
         else:
-            self.calls.append(ToolCall(item["call_id"], item["name"], parse_arguments(item["arguments"], param),
+            self.calls.append(ToolCall(item["call_id"], item["name"], json_object_string(item["arguments"], param),
                                        namespace=item.get("namespace"), item_id=item["id"]))
 
     def message(self) -> Message:

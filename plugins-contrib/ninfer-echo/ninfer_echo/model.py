@@ -8,7 +8,7 @@ import torch
 
 from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
-from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources
+from ninfer.plugins.qwen3_5.frontend.templates import DEFAULT_TEMPLATE, artifact_resources
 from ninfer_echo import ARCHITECTURE, MODEL_TYPE
 
 VOCAB_SIZE = 248320
@@ -44,5 +44,5 @@ def make_tiny(options: Any) -> TinyModel:
         config=config,
         tensors={name: torch.ones(shape, dtype=torch.bfloat16) for name, shape in expected_weights(config).items()},
         generation_defaults={"eos_token_ids": [IM_END, END_OF_TEXT]},
-        resources=artifact_resources(options.template),
+        resources=artifact_resources(getattr(options, "template", DEFAULT_TEMPLATE)),
     )

@@ -9,27 +9,22 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, DTYPE, rel_err, skip_module_without_triton
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_text_weights
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton import moe_persistent  # noqa: E402
 from ninfer.kernels.triton.pending_state import PendingStateUpdates  # noqa: E402
 from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner, segment_bounds  # noqa: E402
 from ninfer.plugins.qwen3_5.model.fused import fuse_model  # noqa: E402
 
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 2e-2 if CUDA else 1e-4
 PAGE_SIZE = 16
 

@@ -32,7 +32,6 @@ from ninfer.engine import EngineConfig
 from ninfer.server.compose import load_engine
 from ninfer.core.drafting import Draft, SpeculativeConfig
 from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError, WeightMismatchError
-from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
 from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
@@ -44,11 +43,6 @@ from ninfer.plugins.qwen3_5.model.tiny import make_tiny, tiny_dflash_config, tin
 from test_qwen35_model import _config_dict, _hf_model, _state_dict, _write
 
 PAGE_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def registries():
-    return load_plugin_manager(entry_points=False).registries
 
 
 @pytest.fixture(scope="module")

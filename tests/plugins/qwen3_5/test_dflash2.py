@@ -35,7 +35,6 @@ from ninfer.engine import EngineConfig
 from ninfer.server.compose import load_engine
 from ninfer.core.drafting import Draft, SpeculativeConfig
 from ninfer.core.errors import ArtifactError, ConfigError, NotYetAvailableError, WeightMismatchError
-from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.core.artifact.tiny import TinyOptions
 from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources as tiny_resources
@@ -49,11 +48,6 @@ from speculation_support import assert_idle, drafter_for, make_engine, open_tiny
 PAGE_SIZE = 16
 FAVOURED = [1000, 1001, 1002, 1003]  # lm_head rows scaled up in the steep artifact
 OUTPUT_MULTIPLIER = 1.5
-
-
-@pytest.fixture(scope="module")
-def registries():
-    return load_plugin_manager(entry_points=False).registries
 
 
 def write_variant(directory: Path, head_scale: float, softcap: float) -> Path:

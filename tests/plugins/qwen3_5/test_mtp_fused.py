@@ -13,14 +13,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import DEVICE, needs_cuda_graphs, rel_err, skip_module_without_triton
 
 from ninfer.engine import decoding_sequence as bench_sequence
 from ninfer.core.runtime import text_positions
 from ninfer.engine.batching import build_batch
 from ninfer.engine.commit import commit_sampled
 from ninfer.core.runtime import KVCache, StateCache
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
 from ninfer.plugins.qwen3_5.model.presets import preset_config
@@ -34,10 +33,7 @@ from ninfer.plugins.qwen3_5.model.synthetic import (
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner  # noqa: E402
 from ninfer.plugins.qwen3_5.model.fused import fuse_model  # noqa: E402
@@ -189,7 +185,7 @@ def graph_eager_and_generic_runtimes() -> tuple[Qwen35Runtime, Qwen35Runtime, Qw
     return graph_runtime, Qwen35Runtime(graph_runtime.model, graph_runtime.mtp, eager_decoder), generic_runtime
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@needs_cuda_graphs
 def test_captured_drafts_replay_what_the_eager_kernels_draft():
     torch.manual_seed(0)
     graph_runtime, eager_runtime, generic_runtime = graph_eager_and_generic_runtimes()

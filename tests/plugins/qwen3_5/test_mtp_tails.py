@@ -18,21 +18,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, needs_cuda_graphs, rel_err, skip_module_without_triton
 
 from ninfer.core.runtime import text_positions
 from ninfer.core.drafting import Draft
 from ninfer.core.runtime import KVCache, LoadOptions
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
-from ninfer.core.artifact.container import open_model_source  # noqa: E402
+from ninfer.core.artifact.source import open_model_source  # noqa: E402
 from ninfer.server.compose import artifact_tokenizer  # noqa: E402
 from ninfer.core.plugins import load_plugin_manager  # noqa: E402
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact  # noqa: E402
@@ -161,7 +157,7 @@ def test_mixed_tails_draft_in_one_padded_chain_what_the_generic_path_drafts(runt
                    for seq in rows)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@needs_cuda_graphs
 def test_captured_padded_drafts_replay_what_the_eager_kernels_draft():
     torch.manual_seed(0)
     graph_runtime, eager_runtime, generic_runtime = graph_eager_and_generic_runtimes()

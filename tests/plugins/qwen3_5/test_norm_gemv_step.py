@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import rel_err
-
-from ninfer.kernels.triton import triton_available
+from kernel_support import CUDA, rel_err, skip_module_without_triton
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-if not triton_available("cuda" if CUDA else "cpu"):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from test_decode_graph import Caches, _runtimes  # noqa: E402
 
-from ninfer.plugins.qwen3_5 import decode_graph  # noqa: E402
+from ninfer.plugins.qwen3_5.cuda import decode_graph  # noqa: E402
 from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner  # noqa: E402
 
 TOL = 2e-2 if CUDA else 1e-4

@@ -19,13 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, DTYPE, needs_cuda_triton, needs_triton, rel_err, seed_each_test
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
 from ninfer.kernels.reference.attention import write_paged_kv
 from ninfer.kernels.reference.norms import gated_rms_norm, rms_norm
 from ninfer.kernels.reference.rope import apply_rotary, mrope_axis_of_frequency, rope_inverse_frequencies, rotary_cos_sin
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.model.fused import fuse_layer, fuse_model
 from ninfer.plugins.qwen3_5.model.layers import BatchLayout, stacked_linear, stacked_rows
@@ -34,12 +33,6 @@ from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime, runtime_spec
 from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_text_weights
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-needs_triton = pytest.mark.skipif(
-    not triton_available(DEVICE), reason="needs Triton on a CUDA device (or TRITON_INTERPRET=1)"
-)
-needs_cuda_triton = pytest.mark.skipif(not CUDA or not triton_available(DEVICE), reason="needs Triton on CUDA")
 PAGE_SIZE = 16
 # CUDA: the real head dims at toy widths, so the Triton kernels run the tile shapes of the released models
 REAL_HEADS = dict(
@@ -59,9 +52,7 @@ REAL_SIZES = {
 }
 
 
-@pytest.fixture
-def seeded():
-    torch.manual_seed(1234)
+seeded = seed_each_test(1234, autouse=False)
 
 
 # ---------------------------------------------------------------------------------------------- pure torch
@@ -111,10 +102,6 @@ def test_stacked_rows_see_through_fused_layers_only():
 # ---------------------------------------------------------------------------------------------- Triton pieces
 
 
-def _dtype() -> torch.dtype:
-    return torch.bfloat16 if CUDA else torch.float32
-
-
 def _tol() -> float:
     return 1e-2 if CUDA else 1e-5
 
@@ -127,8 +114,8 @@ def test_add_rms_norm_over_a_prefill(with_residual):
     from ninfer.kernels.triton.norms import add_rms_norm
 
     tokens, hidden = (8192, 5120) if CUDA else (300, 96)
-    x, residual = (torch.randn(tokens, hidden, device=DEVICE).to(_dtype()) for _ in range(2))
-    weight = (torch.randn(hidden, device=DEVICE) * 0.2).to(_dtype())
+    x, residual = (torch.randn(tokens, hidden, device=DEVICE).to(DTYPE) for _ in range(2))
+    weight = (torch.randn(hidden, device=DEVICE) * 0.2).to(DTYPE)
     total, normed = add_rms_norm(x, residual if with_residual else None, weight, 1e-6)
     expected_total = x + residual if with_residual else x
     assert torch.equal(total, expected_total)  # the residual stream rounds exactly like the torch add
@@ -143,7 +130,7 @@ def test_gated_norm_silu_mul_and_sigmoid_gate_over_a_prefill():
     from ninfer.kernels.triton.norms import sigmoid_gate, silu_mul
 
     tokens, heads, dim, inner = (8192, 48, 128, 4352) if CUDA else (200, 4, 16, 40)
-    dtype = _dtype()
+    dtype = DTYPE
     core = torch.randn(tokens, heads, dim, device=DEVICE).to(dtype)
     projection = torch.randn(tokens, heads * dim + 2 * heads, device=DEVICE).to(dtype)  # [z | b | a]
     z = projection[:, : heads * dim].view(tokens, heads, dim)
@@ -173,7 +160,7 @@ def test_qk_norm_rope_write_kv_over_a_prefill_with_mrope_rows():
 
     heads, kv_heads, dim, rotary, section = (24, 4, 256, 64, [11, 11, 10]) if CUDA else (4, 2, 32, 8, [2, 1, 1])
     tokens, context = (2048, 100) if CUDA else (70, 9)
-    dtype = _dtype()
+    dtype = DTYPE
     pages = -(-(tokens + context) // PAGE_SIZE) + 2
     projected = torch.randn(tokens, heads * 2 * dim + 2 * kv_heads * dim, device=DEVICE).to(dtype)
     q_norm, k_norm = ((torch.randn(dim, device=DEVICE) * 0.2).to(dtype) for _ in range(2))

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn as nn
+from kernel_support import needs_cuda
 from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5DecoderLayer,
@@ -537,7 +538,7 @@ def test_make_tiny_is_exactly_the_expected_checkpoint_and_runs(family, tmp_path)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_cuda_runtime_matches_transformers(kind, tmp_path):
     model = _hf_model(kind)

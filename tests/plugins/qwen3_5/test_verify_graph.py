@@ -11,22 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import rel_err
+from kernel_support import CUDA, DEVICE, DTYPE, needs_cuda_graphs, rel_err, seed_each_test, skip_module_without_triton
 
 from ninfer.kernels.reference.attention import paged_attention
 from ninfer.kernels.reference.conv import causal_conv1d
 from ninfer.kernels.reference.gated_delta import recurrent_gated_delta_rule
-from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_text_weights
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
 from ninfer.kernels.triton.attention import paged_attention_verify  # noqa: E402
 from ninfer.kernels.triton.conv import causal_conv1d_verify  # noqa: E402
@@ -35,7 +31,6 @@ from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner  # noqa: 
 from ninfer.plugins.qwen3_5.cuda.verify_graph import VerifyGraphRunner  # noqa: E402
 from test_decode_graph import Caches, _runtimes  # noqa: E402
 
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 KERNEL_TOL = 1e-2 if CUDA else 1e-5
 # whole verify forward against the generic path: fp32 matches to rounding; bf16 to its own noise (as the decode path)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -46,9 +41,7 @@ def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE).to(DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+_seed = seed_each_test(1234)
 
 
 # -- kernels --------------------------------------------------------------------------------------------------------
@@ -211,7 +204,7 @@ def test_verify_runner_matches_the_generic_path(preset, dtype):
         assert graphs.captured_verify(3, 4)  # the repeated shape was captured and replayed
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@needs_cuda_graphs
 def test_verify_graphs_are_captured_again_after_the_state_buffers_grow():
     """A bigger batch than any before reallocates the per-token state buffers and drops the verify graphs bound to
     the old ones (and their memory pool); the next captures must work, replay right, and leave the decode runner's

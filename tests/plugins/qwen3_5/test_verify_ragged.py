@@ -19,22 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_support import rel_err
+from kernel_support import CUDA, needs_cuda_graphs, rel_err, seed_each_test, skip_module_without_triton
 
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
-from ninfer.kernels.triton import triton_available
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not triton_available(DEVICE):
-    pytest.skip("needs Triton on a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+skip_module_without_triton()
 
-from ninfer.core.artifact.container import open_model_source  # noqa: E402
+from ninfer.core.artifact.source import open_model_source  # noqa: E402
 from ninfer.server.compose import artifact_tokenizer  # noqa: E402
 from ninfer.core.drafting import Draft  # noqa: E402
-from ninfer.core.plugins import load_plugin_manager  # noqa: E402
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact  # noqa: E402
 from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner  # noqa: E402
 from ninfer.plugins.qwen3_5.model.fused import fuse_model  # noqa: E402
@@ -44,7 +39,6 @@ from speculation_support import drafter_for, greedy_plain_then_speculative, refe
 from test_decode_graph import _runtimes  # noqa: E402
 from test_verify_graph import TOL  # noqa: E402
 
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 PAGE_SIZE = 16
 NUM_PAGES = 12
 
@@ -143,9 +137,7 @@ def _prefilled(reference: Qwen35Runtime, vocab: int) -> tuple[Rows, Pools]:
     return rows, pools
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(99)
+_seed = seed_each_test(99)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +174,7 @@ def test_ragged_and_layer_capturing_batches_match_the_generic_path(preset, dtype
     assert past_pages[0] and past_pages[5]  # the scenario really pads into pages the rows do not own
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@needs_cuda_graphs
 def test_ragged_graphs_replay_like_the_eager_runner():
     """Ragged and layer-capturing shapes are captured and replayed (rounds 1 and 2 share one padded shape with other
     row lengths), and match the eager runner exactly."""
@@ -252,11 +244,6 @@ def test_runtime_sends_ragged_and_layer_capturing_verify_batches_to_the_runner(m
 
 
 # -- whole speculative runs ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def registries():
-    return load_plugin_manager(entry_points=False).registries
 
 
 RUN_PROMPTS = [[random.Random(n).randrange(200, 150_000) for _ in range(n)] for n in (5, 17)]

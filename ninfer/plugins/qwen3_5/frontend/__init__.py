@@ -1,0 +1,1 @@
+"""The Qwen frontend: templates, vocabulary, prompt lowering, sampling presets, the output decoder."""

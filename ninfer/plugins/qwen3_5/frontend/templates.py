@@ -15,6 +15,8 @@ from ninfer.core.errors import ConfigError
 
 TemplateName = Literal["qwen3_6", "qwen3_8"]
 TEMPLATE_NAMES: tuple[str, ...] = get_args(TemplateName)
+#: The template a tiny artifact embeds unless its options name one.
+DEFAULT_TEMPLATE: TemplateName = "qwen3_6"
 
 
 def template_source(name: TemplateName) -> str:

@@ -70,7 +70,7 @@ class Qwen35Runtime:
         self.decoder = decoder
         self.verifier: "VerifyGraphRunner | None" = None
         if decoder is not None:
-            from ninfer.plugins.qwen3_5 import verify_graph  # imported here: CPU installs lack triton
+            from ninfer.plugins.qwen3_5.cuda import verify_graph  # imported here: CPU installs lack triton
 
             self.verifier = verify_graph.VerifyGraphRunner(
                 decoder.model, decoder.fused, use_graphs=decoder.use_graphs, max_batch=decoder.max_batch

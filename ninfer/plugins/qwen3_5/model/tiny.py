@@ -19,7 +19,7 @@ import torch
 from ninfer.plugins.qwen3_5.speculative.companion import COMPANION_CONFIGS, DFlash2Config, DFlashConfig
 from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
-from ninfer.plugins.qwen3_5.frontend.templates import artifact_resources
+from ninfer.plugins.qwen3_5.frontend.templates import DEFAULT_TEMPLATE, artifact_resources
 from ninfer.plugins.qwen3_5.model.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
 from ninfer.plugins.qwen3_5.model.weights import expected_weights
 
@@ -230,5 +230,5 @@ def make_tiny(options: "TinyOptions") -> TinyModel:
         config=config,
         tensors=tensors,
         generation_defaults={"eos_token_ids": [IM_END, END_OF_TEXT], "temperature": 1.0, "top_p": 0.95, "top_k": 20},
-        resources=artifact_resources(options.template),
+        resources=artifact_resources(getattr(options, "template", DEFAULT_TEMPLATE)),
     )

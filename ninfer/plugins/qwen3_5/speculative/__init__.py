@@ -1,0 +1,1 @@
+"""Qwen drafters: MTP, DFlash, DFlash2, and the DFlash companion checkpoint format."""
