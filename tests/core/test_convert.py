@@ -28,7 +28,6 @@ from ninfer.core.artifact.container import (
     MappedSafetensors,
     TOKENIZER_RESOURCE,
     Artifact,
-    open_model_source,
 )
 from ninfer.core.artifact.convert import convert_checkpoint
 from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
@@ -39,6 +38,7 @@ from ninfer.core.artifact.hf_directory import (
     ShardFile,
     open_hf_directory,
 )
+from ninfer.core.artifact.source import open_model_source
 from ninfer.core.plugins import load_plugin_manager
 from ninfer.core.runtime import ForwardBatch, KVCache, LoadOptions, StateCache
 from ninfer.plugins.qwen3_5.frontend.vocabulary import build_qwen_tokenizer_json
