@@ -166,14 +166,19 @@ def _check_session(_instance: Any, _attribute: Any, value: Any) -> None:
         raise _invalid("session", f"expected a SessionKey or None, got {type(value).__name__}")
 
 
+def _frontiers(values: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(values)))
+
+
 @attrs.frozen
 class GenerationRequest:
     """One generation: prompt token ids, sampling, an optional budget-close policy.
 
     ``report_progress`` publishes :class:`ProgressEvent` after admission and after every prefill chunk.
     ``checkpoint_offsets`` are prompt frontiers (token counts) where prefill stops a chunk and captures a reusable
-    checkpoint (explicit cache breakpoints); frontiers outside the computed part of the prompt are ignored.
-    ``session`` marks the request as part of an engine-local reuse session (see :class:`SessionKey`).
+    checkpoint (explicit cache breakpoints); ``continuation_offsets`` are the same for the frontiers where the
+    conversation's next request stops sharing this prompt (before the response's prologue, before the open turn).
+    Frontiers outside the computed part of the prompt, or at its end, are ignored. ``session`` marks the request as part of an engine-local reuse session (see :class:`SessionKey`).
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
@@ -181,8 +186,14 @@ class GenerationRequest:
     budget_close: BudgetClose | None = None
     report_progress: bool = False
     request_id: str | None = None
-    checkpoint_offsets: tuple[int, ...] = attrs.field(default=(), converter=lambda values: tuple(sorted(set(values))))
+    checkpoint_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
     session: SessionKey | None = attrs.field(default=None, validator=_check_session)
+    continuation_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
+
+    @property
+    def frontiers(self) -> tuple[int, ...]:
+        """Every requested checkpoint frontier, in order."""
+        return _frontiers((*self.checkpoint_offsets, *self.continuation_offsets))
 
 
 def resolve_sampling(

@@ -87,6 +87,17 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings inside it become their ids. No BOS/EOS is added."""
+        return self._backend.encode(self.normalize(text), add_special_tokens=False).ids
+
+    def encode_with_starts(self, text: str) -> tuple[list[int], list[int], str]:
+        """:meth:`encode` plus where each token starts in the normalized text (character offsets), and that text:
+        a caller finds token frontiers at places it locates in the text."""
+        normalized = self.normalize(text)
+        encoding = self._backend.encode(normalized, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets], normalized
+
+    def normalize(self, text: str) -> str:
+        """The text the vocabulary tokenizes: lone surrogates replaced, NFC where the vocabulary normalizes."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"can only tokenize text, got {type(text).__name__}")
         try:
@@ -96,7 +107,7 @@ class Tokenizer:
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         if self._normalize_nfc:
             text = unicodedata.normalize("NFC", text)
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return text
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD."""

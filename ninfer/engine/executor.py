@@ -323,10 +323,11 @@ class Executor:
         self._after_prompt(seq)
 
     def _checkpoint_frontier(self, seq: Sequence, start: int, end: int) -> int | None:
-        """The first requested checkpoint frontier inside this chunk (before the prompt's end), if reuse is on."""
+        """The first requested checkpoint frontier this chunk reaches (before the prompt's end), if reuse is on."""
         if not self.config.prefix_reuse:
             return None
-        return next((offset for offset in seq.request.checkpoint_offsets if start < offset < end), None)
+        limit = min(end, seq.prompt_len - 1)
+        return next((offset for offset in seq.request.frontiers if start < offset <= limit), None)
 
     def _chunk_logits(self, output: Any) -> Any:
         """The next-token logits after a prefill chunk's last token."""

@@ -692,3 +692,39 @@ def test_tool_use_and_tool_definition_markers_end_their_turns(make):
     system_end = tools_text.index("<|im_end|>\n") + len("<|im_end|>\n")
     assert tools_text.startswith("<|im_start|>system\n# Tools")
     assert marked_tools.request.checkpoint_offsets == (len(QWEN.encode(tools_text[:system_end])),)
+
+
+# ---- continuation frontiers: where the next request of the conversation stops sharing the prompt ---------------
+
+
+def _ids(frontend: QwenFrontend, pairs: list[Pair], **options: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    request = frontend.prepare(conversation(pairs, **options)[0], GenerationOptions()).request
+    return request.prompt_token_ids, request.continuation_offsets
+
+
+@pytest.mark.parametrize("generation", ["qwen3_6", "qwen3_8"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_next_turn_shares_the_prompt_up_to_the_response_prologue(make, generation, thinking):
+    frontend = make(generation, preserve_thinking=False)
+    first = [system("Be brief."), user("Q1")]
+    prompt, frontiers = _ids(frontend, first, enable_thinking=thinking)
+    following, _ = _ids(frontend, [*first, assistant("A1", "R1" if thinking else None), user("Q2")],
+                        enable_thinking=thinking)
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, following)) if a != b)
+    # the frontier sits where the response's prologue opens; only the prologue is not replayed by the next turn
+    frontier = max(frontiers)
+    assert frontier <= shared and len(prompt) - frontier <= 8
+    assert QWEN.decode(list(prompt[frontier:])).startswith("<|im_start|>assistant\n")
+
+
+def test_a_tool_loop_keeps_a_frontier_before_its_open_turn(make):
+    frontend = make("qwen3_6", preserve_thinking=False)
+    loop = tool_history()[:-2]  # the user query, an assistant tool call and its two results: the turn is open
+    prompt, frontiers = _ids(frontend, loop, tools=TOOLS)
+    text = QWEN.decode(list(prompt))
+    open_turn = len(QWEN.encode(text[: text.index("<|im_start|>assistant\n")]))
+    prologue = len(QWEN.encode(text[: text.rindex("<|im_start|>assistant\n")]))
+    assert frontiers == (open_turn, prologue) and open_turn < prologue
+    # a new user query closes the turn: its reasoning is dropped, so the next prompt shares only the open-turn prefix
+    closed, _ = _ids(frontend, tool_history(), tools=TOOLS)
+    assert closed[:open_turn] == prompt[:open_turn] and closed[open_turn:prologue] != prompt[open_turn:prologue]

@@ -27,6 +27,7 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     QwenOutputDecoder,
     thinking_budget_control_text,
 )
+from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers
 from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
 
@@ -179,7 +180,7 @@ class QwenFrontend:
     def prepare(self, conversation: Conversation, options: GenerationOptions) -> PreparedRequest:
         """Render and tokenize ``conversation`` and resolve the request the engine executes."""
         rendered = self.render(conversation)
-        token_ids = self._tokenize(rendered)
+        token_ids, starts, text = self._encode(rendered)
         self._policy.check_prompt(len(token_ids))
         output_budget = self._policy.output_budget(options.max_tokens, len(token_ids))
         preset = self._presets[rendered.mode.thinking]
@@ -192,6 +193,7 @@ class QwenFrontend:
             sampling=sampling,
             budget_close=self._budget_close(conversation, rendered.mode, output_budget),
             checkpoint_offsets=self._checkpoint_offsets(conversation, rendered, token_ids),
+            continuation_offsets=continuation_frontiers(text, starts),
         )
         return PreparedRequest(
             request=request,
@@ -304,10 +306,15 @@ class QwenFrontend:
         return text[:-len(TURN_CLOSE)]
 
     def _tokenize(self, rendered: RenderedPrompt) -> tuple[int, ...]:
+        return self._encode(rendered)[0]
+
+    def _encode(self, rendered: RenderedPrompt) -> tuple[tuple[int, ...], list[int], str]:
+        """The prompt's token ids, where each starts in the normalized text, and that text."""
         if rendered.media_items:
             raise NotYetAvailableError("image and video prompts are not yet available: media preprocessing and "
                                        "vision-token expansion have not been implemented")
-        return tuple(self._tokenizer.encode(rendered.text))
+        ids, starts, text = self._tokenizer.encode_with_starts(rendered.text)
+        return tuple(ids), starts, text
 
     # -- thinking budget ----------------------------------------------------------------------------------------
 

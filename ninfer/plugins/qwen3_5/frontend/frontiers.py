@@ -1,0 +1,56 @@
+"""Where the next request of a conversation stops sharing this prompt: the frontiers worth a checkpoint.
+
+The Qwen templates re-render a closed assistant turn differently from the tokens the model generated: without
+``preserve_thinking`` the reasoning of every turn before the last user query is dropped, and the thinking-off
+prologue (an empty think block) is never replayed. So the next request shares this prompt up to where the current
+response's generation prologue starts (the next request closes that turn with the answer, or continues a tool
+loop after it), and, once a new user query closes the open turn, up to the first assistant opener after the last
+user query (every assistant turn from there loses its reasoning). A checkpoint at each lets every turn reuse its
+history; the engine verifies a hit by exact tokens, so a frontier that does not recur costs only its capture.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+ASSISTANT_OPEN = "<|im_start|>assistant\n"
+USER_OPEN = "<|im_start|>user\n"
+TOOL_RESPONSE_OPEN = "<tool_response>"
+
+
+def response_prologue_cut(text: str) -> int | None:
+    """Where the current response's turn opens: the last assistant opener."""
+    cut = text.rfind(ASSISTANT_OPEN)
+    return cut if cut > 0 else None
+
+
+def open_turn_cut(text: str) -> int | None:
+    """Where the open turn's first assistant message starts: the first assistant opener after the last user turn
+    that is a real query (tool results and placeholder turns are user turns wrapped in ``<tool_response>``)."""
+    search_end = len(text)
+    while True:
+        user = text.rfind(USER_OPEN, 0, search_end)
+        if user < 0:
+            return None
+        if not text.startswith(TOOL_RESPONSE_OPEN, user + len(USER_OPEN)):
+            break
+        search_end = user
+    cut = text.find(ASSISTANT_OPEN, user)
+    return cut if cut > 0 else None
+
+
+def token_frontier(starts: Sequence[int], cut: int) -> int | None:
+    """The number of tokens before character ``cut``, when a token starts exactly there."""
+    index = bisect.bisect_left(starts, cut)
+    return index if index < len(starts) and starts[index] == cut else None
+
+
+def continuation_frontiers(text: str, starts: Sequence[int]) -> tuple[int, ...]:
+    """Token frontiers of the response prologue and of the open turn (each strictly inside the prompt)."""
+    frontiers = set()
+    for cut in (response_prologue_cut(text), open_turn_cut(text)):
+        frontier = None if cut is None else token_frontier(starts, cut)
+        if frontier is not None and 0 < frontier < len(starts):
+            frontiers.add(frontier)
+    return tuple(sorted(frontiers))
