@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence, get_args
 
 import attrs
 
@@ -19,6 +19,12 @@ from ninfer.core.errors import CapacityError, InvalidRequestError
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.descriptors import SamplingPreset
 
+#: How a request's prompt was reused (the request log's ``prefix_reuse_path``); ``root``: computed from token 0.
+ReusePath = Literal[
+    "root", "private_endpoint", "private_turn_closure", "private_response_replay", "private_long_anchor",
+    "shared_stable_prefix",
+]
+REUSE_PATHS: tuple[str, ...] = get_args(ReusePath)
 #: The error code of an output budget that cannot close a thinking budget.
 THINKING_BUDGET_CODE = "thinking_budget_capacity_insufficient"
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
@@ -194,6 +200,15 @@ class GenerationRequest:
     def frontiers(self) -> tuple[int, ...]:
         """Every requested checkpoint frontier, in order."""
         return _frontiers((*self.checkpoint_offsets, *self.continuation_offsets))
+
+    def frontier_path(self, offset: int) -> ReusePath:
+        """The reuse path a checkpoint at frontier ``offset`` serves: an explicit breakpoint is a shared prefix;
+        of the continuation frontiers the last is the response's prologue, any earlier one the open turn."""
+        if offset in self.checkpoint_offsets:
+            return "shared_stable_prefix"
+        if self.continuation_offsets and offset == self.continuation_offsets[-1]:
+            return "private_response_replay"
+        return "private_turn_closure"
 
 
 def resolve_sampling(

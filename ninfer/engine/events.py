@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ninfer.core.request import SamplingParams
+from ninfer.core.request import ReusePath, SamplingParams
 from ninfer.engine.timings import RequestTimings, SpeculativeCounters
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -51,6 +51,7 @@ class GenerationOutcome:
     sampling: SamplingParams
     timings: RequestTimings
     speculative: SpeculativeCounters | None = None  # with --spec: the request's drafting counters
+    reuse_path: ReusePath = "root"  # which kind of checkpoint the prompt resumed from
 
     @property
     def completion_tokens(self) -> int:

@@ -308,7 +308,7 @@ class Executor:
             assert logits is not None
             clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
             with clock.detail(Detail.CONTEXT_TRANSACTION):
-                self.memory.capture_prefix(seq, logits)
+                self.memory.capture_prefix(seq, logits, seq.request.frontier_path(frontier))
         clock.switch(HostPhase.ENGINE_COMMIT_OUTPUT, WorkClass.PREFILL)
         self._progress(seq, now)
         if not last:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
+from ninfer.core.request import ReusePath
 from ninfer.engine.pages import pages_for
 from ninfer.engine.prefix_cache import eviction_victim, longest_prefix
 from ninfer.core.runtime import KVCache, StateCache
@@ -56,6 +57,7 @@ class HostCheckpoint:
     last_used: int
     session: str | None = None
     drafter: Any = None
+    path: ReusePath = "private_endpoint"
 
 
 def page_extent_bytes(caches: Sequence[KVCache]) -> int:
@@ -135,6 +137,7 @@ class HostCache:
         drafter: Any,
         device_state: StateCache,
         caches: Sequence[KVCache],
+        path: ReusePath = "private_endpoint",
     ) -> bool:
         """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped."""
         if not self.enabled:
@@ -162,7 +165,7 @@ class HostCache:
             for cache in caches
         ]
         entry = HostCheckpoint(
-            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter
+            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter, path
         )
         self._entries.append(entry)
         self._count(spills=1, bytes_to_host=kv_bytes + _state_bytes(device_state))

@@ -28,6 +28,7 @@ from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCou
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache
 from ninfer.engine.sequence import Sequence
+from ninfer.core.request import ReusePath
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 
@@ -150,7 +151,7 @@ class EngineMemory:
         """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
         self.host.store(
             entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
-            self.state, (self.kv, *self.companions),
+            self.state, (self.kv, *self.companions), entry.path,
         )
 
     # -- admission ---------------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class EngineMemory:
         if consume:
             self.slots.release(hit.slot)
         self._resume_at(seq, size, hit.logits, hit.drafter)
+        seq.reuse_path = hit.path
         return True
 
     def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
@@ -219,6 +221,7 @@ class EngineMemory:
         pages = [self._allocate(seq) for _ in range(entry.num_pages)]
         self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
         self._resume_at(seq, len(entry.tokens), entry.logits, entry.drafter)
+        seq.reuse_path = entry.path
         return True
 
     def _reserve(self, seq: Sequence, fresh: int) -> None:
@@ -273,12 +276,13 @@ class EngineMemory:
         assert seq.last_logits is not None
         self.capture_prefix(seq, seq.last_logits)
 
-    def capture_prefix(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Checkpoint ``seq``'s fed tokens; ``logits`` are the next-token logits after the last of them."""
+    def capture_prefix(self, seq: Sequence, logits: torch.Tensor, path: ReusePath = "private_endpoint") -> None:
+        """Checkpoint ``seq``'s fed tokens for reuse ``path``; ``logits`` are the next-token logits after the last
+        of them."""
         assert seq.slot is not None
         self.cache.capture(
             seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
-            drafter_snapshot=self._drafter_snapshot(seq),
+            drafter_snapshot=self._drafter_snapshot(seq), path=path,
         )
 
     def _drafter_snapshot(self, seq: Sequence) -> Callable[[], Any] | None:

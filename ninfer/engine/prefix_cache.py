@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from ninfer.engine.pages import PagePool, SlotPool, pages_for
+from ninfer.core.request import ReusePath
 from ninfer.core.runtime import StateCache
 
 
@@ -69,6 +70,7 @@ class Checkpoint:
     last_used: int
     session: str | None = None  # the session whose endpoint this is; None: anonymous
     drafter: Any = None  # the speculative drafter's snapshot at the checkpoint's end; None: it restarts cold
+    path: ReusePath = "private_endpoint"  # the reuse path a hit on it reports
 
 
 class PrefixCache:
@@ -131,6 +133,7 @@ class PrefixCache:
         take_slot: bool,
         session: str | None = None,
         drafter_snapshot: Callable[[], Any] | None = None,
+        path: ReusePath = "private_endpoint",
     ) -> bool:
         """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
 
@@ -162,7 +165,9 @@ class PrefixCache:
         kept_pages = list(pages[: pages_for(len(key), self.page_size)])
         for page in kept_pages:
             self._pages.ref(page)
-        entry = Checkpoint(key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter)
+        entry = Checkpoint(
+            key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter, path
+        )
         self._entries.append(entry)
         return True
 

@@ -10,7 +10,7 @@ import torch
 from ninfer.engine.admission import AdmissionTicket
 from ninfer.engine.handle import RequestHandle
 from ninfer.engine.host_work import RequestHostWork
-from ninfer.core.request import GenerationRequest
+from ninfer.core.request import GenerationRequest, ReusePath
 from ninfer.engine.events import FinishReason, GenerationOutcome, StopMatch
 from ninfer.engine.sampler import RowSampler
 from ninfer.engine.stops import OutputText
@@ -44,6 +44,7 @@ class Sequence:
     promised_pages: int = 0
     fed: int = 0
     cache_n: int = 0
+    reuse_path: ReusePath = "root"
     sampled: int = 0
     control: int = 0
     budget_open: bool = False
@@ -103,6 +104,7 @@ class Sequence:
             output_token_ids=tuple(self.tokens[self.prompt_len :]),
             text="".join(self.emitted),
             cached_tokens=self.cache_n,
+            reuse_path=self.reuse_path,
             control_tokens=self.control,
             seed=self.sampler.seed,
             sampling=self.sampler.params,

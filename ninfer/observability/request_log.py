@@ -264,16 +264,11 @@ def request_rejected_fields(error: NinferError, shape: RequestShape, requested_e
     }
 
 
-def prefix_reuse_path(cached_tokens: int) -> str:
-    """The engine keeps one kind of checkpoint (a private endpoint): a hit restores it, a miss starts at root."""
-    return "private_endpoint" if cached_tokens > 0 else "root"
-
-
-def cache_summary(prompt_tokens: int, cached_tokens: int) -> str:
+def cache_summary(outcome: Any) -> str:
     """The pretty ``cache N (P%, path label)`` fragment of the stderr completion line."""
+    prompt_tokens, cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
     percent = 100.0 * cached_tokens / prompt_tokens if prompt_tokens else 0.0
-    label = prefix_reuse_path(cached_tokens).replace("_", " ")
-    return f"cache {cached_tokens} ({percent:.0f}%, {label})"
+    return f"cache {cached_tokens} ({percent:.0f}%, {outcome.reuse_path.replace('_', ' ')})"
 
 
 def engine_timing_fields(timings: Any, submitted_at: float) -> dict[str, Any]:
@@ -318,7 +313,7 @@ def request_done_fields(
             "reasoning_tokens": reasoning_tokens,
             "prefix_cache_hit_tokens": outcome.cached_tokens,
             "computed_prefill_tokens": computed,
-            "prefix_reuse_path": prefix_reuse_path(outcome.cached_tokens),
+            "prefix_reuse_path": outcome.reuse_path,
             "seed": outcome.seed,
             "tool_call_parse": {
                 "marker_seen": parse_report.marker_seen,

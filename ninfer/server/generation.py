@@ -410,7 +410,7 @@ class Generation:
             rate = timings.timings_dict()["predicted_per_second"]
             log.info(
                 f"request {self.request_id} {self.job.protocol} done: {outcome.finish_reason}, prompt "
-                f"{outcome.prompt_tokens} ({cache_summary(outcome.prompt_tokens, outcome.cached_tokens)}), "
+                f"{outcome.prompt_tokens} ({cache_summary(outcome)}), "
                 f"completion {outcome.completion_tokens}"
                 + (f", reasoning {result.reasoning_tokens}" if result.reasoning_tokens else "")
                 + (f", tool calls {len(result.tool_calls)}" if result.tool_calls else "")

@@ -8,6 +8,7 @@ previous answer too. Greedy answers are compared with a ``--no-prefix-reuse`` se
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anthropic
@@ -65,12 +66,23 @@ def chat_turns(server: LiveServer, *, thinking: bool, preserve: bool) -> list[tu
     return turns
 
 
-@pytest.mark.parametrize(("thinking", "preserve"), [(True, False), (False, False), (True, True)],
-                         ids=["thinking", "no-thinking", "preserve-thinking"])
-def test_every_chat_turn_reuses_the_previous_prompt(servers, thinking: bool, preserve: bool):
+def reuse_paths(server: LiveServer, since: int) -> list[str]:
+    """The reuse path of each Chat request the server completed after stderr offset ``since`` (its stderr line)."""
+    return re.findall(r"openai_chat done: \w+, prompt \d+ \(cache \d+ \(\d+%, ([a-z ]+)\)\)", server.log()[since:])
+
+
+@pytest.mark.parametrize(("thinking", "preserve", "path"), [
+    (True, False, "private response replay"),
+    (False, False, "private response replay"),
+    (True, True, "private endpoint"),
+], ids=["thinking", "no-thinking", "preserve-thinking"])
+def test_every_chat_turn_reuses_the_previous_prompt(servers, thinking: bool, preserve: bool, path: str):
+    since = len(servers["reuse"].log())
     turns = chat_turns(servers["reuse"], thinking=thinking, preserve=preserve)
     for previous, current in zip(turns, turns[1:]):
         assert current[1] >= previous[0] - PROLOGUE_SLACK, turns
+    # the first turn starts at root; each later one resumes from the checkpoint kind that the template allows
+    assert reuse_paths(servers["reuse"], since) == ["root", *[path] * (TURNS - 1)]
     assert [answer for *_, answer in turns] == [
         answer for *_, answer in chat_turns(servers["root"], thinking=thinking, preserve=preserve)
     ]
