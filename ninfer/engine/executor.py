@@ -316,7 +316,8 @@ class Executor:
         seq.prompt_done_at = now
         seq.last_logits = logits
         seq.last_logits_at = seq.fed
-        if self.config.prefix_reuse:
+        if self.config.prefix_reuse and not seq.request.continuation_offsets:
+            # a request with continuation frontiers already holds a checkpoint a few tokens before its end
             clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
             with clock.detail(Detail.CONTEXT_TRANSACTION):
                 self.memory.capture_prompt(seq)

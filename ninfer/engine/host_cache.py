@@ -58,6 +58,8 @@ class HostCheckpoint:
     session: str | None = None
     drafter: Any = None
     path: ReusePath = "private_endpoint"
+    hits: int = 0
+    superseded: bool = False
 
 
 def page_extent_bytes(caches: Sequence[KVCache]) -> int:
@@ -138,6 +140,8 @@ class HostCache:
         device_state: StateCache,
         caches: Sequence[KVCache],
         path: ReusePath = "private_endpoint",
+        hits: int = 0,
+        superseded: bool = False,
     ) -> bool:
         """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped."""
         if not self.enabled:
@@ -165,7 +169,8 @@ class HostCache:
             for cache in caches
         ]
         entry = HostCheckpoint(
-            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter, path
+            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter, path, hits,
+            superseded,
         )
         self._entries.append(entry)
         self._count(spills=1, bytes_to_host=kv_bytes + _state_bytes(device_state))

@@ -151,7 +151,7 @@ class EngineMemory:
         """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
         self.host.store(
             entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
-            self.state, (self.kv, *self.companions), entry.path,
+            self.state, (self.kv, *self.companions), entry.path, entry.hits, entry.superseded,
         )
 
     # -- admission ---------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class EngineMemory:
         if consume:
             self.slots.release(hit.slot)
         self._resume_at(seq, size, hit.logits, hit.drafter)
-        seq.reuse_path = hit.path
+        self._resumed(seq, hit)
         return True
 
     def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
@@ -221,7 +221,7 @@ class EngineMemory:
         pages = [self._allocate(seq) for _ in range(entry.num_pages)]
         self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)
         self._resume_at(seq, len(entry.tokens), entry.logits, entry.drafter)
-        seq.reuse_path = entry.path
+        self._resumed(seq, entry)
         return True
 
     def _reserve(self, seq: Sequence, fresh: int) -> None:
@@ -236,6 +236,18 @@ class EngineMemory:
         seq.last_logits, seq.last_logits_at = logits, size
         if drafter_snapshot is not None and self._resume is not None:
             self._resume.restore(seq, drafter_snapshot)
+
+    @staticmethod
+    def _resumed(seq: Sequence, source: Checkpoint | HostCheckpoint) -> None:
+        """``seq`` resumed from ``source``: count the hit; the first longer checkpoint ``seq`` keeps supersedes it."""
+        source.hits += 1
+        seq.reuse_path = source.path
+        seq.resumed_from = source
+
+    def _supersede(self, seq: Sequence) -> None:
+        if seq.resumed_from is not None and seq.fed > len(seq.resumed_from.tokens):
+            seq.resumed_from.superseded = True
+            seq.resumed_from = None
 
     def _shareable_pages(self, hit: Any) -> int:
         """The checkpoint's pages a request may reference: its full pages, less those holding positions the
@@ -280,10 +292,11 @@ class EngineMemory:
         """Checkpoint ``seq``'s fed tokens for reuse ``path``; ``logits`` are the next-token logits after the last
         of them."""
         assert seq.slot is not None
-        self.cache.capture(
+        if self.cache.capture(
             seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
             drafter_snapshot=self._drafter_snapshot(seq), path=path,
-        )
+        ):
+            self._supersede(seq)
 
     def _drafter_snapshot(self, seq: Sequence) -> Callable[[], Any] | None:
         """Takes the drafter's snapshot of ``seq`` at ``seq.fed`` when called (None without a resumable drafter)."""
@@ -310,6 +323,8 @@ class EngineMemory:
                 seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
                 drafter_snapshot=self._drafter_snapshot(seq),
             )
+            if kept:
+                self._supersede(seq)
         for page in seq.pages:
             self.pages.release(page)
         seq.pages = []

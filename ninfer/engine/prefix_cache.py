@@ -40,6 +40,8 @@ class Retained(Protocol):
     tokens: tuple[int, ...]
     session: str | None
     last_used: int
+    hits: int
+    superseded: bool
 
 
 def longest_prefix(entries: Iterable[R], prompt: Sequence[int], longer_than: int = 0) -> R | None:
@@ -55,8 +57,16 @@ def longest_prefix(entries: Iterable[R], prompt: Sequence[int], longer_than: int
 
 
 def eviction_victim(entries: Iterable[R]) -> R:
-    """The entry to evict first: the least recently used anonymous one, else the least recently used endpoint."""
-    return min(entries, key=lambda entry: (entry.session is not None, entry.last_used))
+    """The entry to evict first, least recently used within the first non-empty group: anonymous checkpoints that
+    a later request resumed from and extended (superseded), then anonymous ones never hit, then anonymous ones hit,
+    then session endpoints. A conversation's newest checkpoints outlive its older ones and the cold captures that
+    never recur (an endpoint whose reasoning the next turn drops), and a hit one outlives a cold one."""
+
+    def rank(entry: R) -> tuple[bool, int, int]:
+        group = 0 if entry.superseded else 1 if entry.hits == 0 else 2
+        return entry.session is not None, group, entry.last_used
+
+    return min(entries, key=rank)
 
 
 @attrs.define(eq=False)
@@ -71,6 +81,8 @@ class Checkpoint:
     session: str | None = None  # the session whose endpoint this is; None: anonymous
     drafter: Any = None  # the speculative drafter's snapshot at the checkpoint's end; None: it restarts cold
     path: ReusePath = "private_endpoint"  # the reuse path a hit on it reports
+    hits: int = 0  # admissions that resumed from it
+    superseded: bool = False  # a request that resumed from it kept a longer checkpoint of the same history
 
 
 class PrefixCache:

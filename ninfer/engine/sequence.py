@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -45,6 +45,7 @@ class Sequence:
     fed: int = 0
     cache_n: int = 0
     reuse_path: ReusePath = "root"
+    resumed_from: Any = None  # the checkpoint admission resumed from, until a longer one of this history is kept
     sampled: int = 0
     control: int = 0
     budget_open: bool = False

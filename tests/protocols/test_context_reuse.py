@@ -24,12 +24,19 @@ def fence(script: str) -> str:
     return f"Turn request.\n```ninfer-echo\n{script}\n```\n"
 
 
+def answer(turn: int) -> str:
+    return f"Answer {turn}: " + " ".join(["word"] * (6 + turn))
+
+
 def thinking_script(turn: int) -> str:
-    return f"Reason about turn {turn} carefully.\n</think>\n\nAnswer {turn}: " + "word " * (6 + turn)
+    return f"Reason about turn {turn} carefully.\n</think>\n\n{answer(turn)}"
 
 
 def plain_script(turn: int) -> str:
-    return f"Answer {turn}: " + "word " * (6 + turn)
+    return answer(turn)
+
+
+SHRUNK = ["--max-concurrency", "2", "--device-state-slots", "1", "--host-state-slots", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +44,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     echo = tiny_artifact(tmp_path_factory, "echo", "qwen3_6")
     started = start_servers(
         tmp_path_factory.mktemp("reuse"),
-        [(echo, [], {}), (echo, ["--no-prefix-reuse"], {})],
-        [ECHO_MODEL, ECHO_MODEL],
+        [(echo, [], {}), (echo, ["--no-prefix-reuse"], {}), (echo, ["--max-concurrency", "2"], {}),
+         (echo, SHRUNK, {})],
+        [ECHO_MODEL] * 4,
     )
-    yield {"reuse": started[0], "root": started[1]}
+    yield dict(zip(("reuse", "root", "pair", "shrunk"), started))
     for server in started:
         server.stop()
 
@@ -178,3 +186,36 @@ def test_every_messages_turn_reuses_the_previous_prompt(servers, thinking: bool)
     turns = anthropic_turns(servers["reuse"], thinking=thinking)
     for previous, current in zip(turns, turns[1:]):
         assert current[1] >= previous[0] - PROLOGUE_SLACK, turns
+
+
+def interleaved_turns(server: LiveServer, conversations: int) -> list[list[tuple[int, int, str]]]:
+    """``conversations`` Chat conversations (thinking on) advanced round-robin, one turn each in turn."""
+    client = server.client()
+    histories: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": f"You are assistant number {index}."}] for index in range(conversations)
+    ]
+    turns: list[list[tuple[int, int, str]]] = [[] for _ in range(conversations)]
+    for turn in range(1, TURNS + 1):
+        for index, messages in enumerate(histories):
+            messages.append({"role": "user", "content": fence(thinking_script(10 * index + turn))})
+            reply = client.chat.completions.create(model=ECHO_MODEL, messages=messages, temperature=0)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            details = reply.usage.prompt_tokens_details
+            turns[index].append((reply.usage.prompt_tokens, details.cached_tokens if details else 0,
+                                 reply.choices[0].message.content))
+    return turns
+
+
+def test_four_interleaved_conversations_keep_their_reuse_at_default_capacities(servers):
+    for turns in interleaved_turns(servers["pair"], 4):
+        for previous, current in zip(turns, turns[1:]):
+            assert current[1] >= previous[0] - PROLOGUE_SLACK, turns
+
+
+def test_shrunk_capacities_spill_and_evict_without_changing_outputs(servers):
+    shrunk = interleaved_turns(servers["shrunk"], 4)
+    assert [[answer for *_, answer in turns] for turns in shrunk] == [
+        [answer for *_, answer in turns] for turns in interleaved_turns(servers["root"], 4)
+    ]
+    # one device slot and two host slots cannot hold four conversations: some turns fall back to root
+    assert any(cached == 0 for turns in shrunk for _, cached, _ in turns[1:])
