@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from ninfer.core.request import GenerationRequest, SamplingParams
 
 from ninfer.engine import Engine, EngineConfig
 from ninfer.engine.pages import PagePool, SlotPool
-from ninfer.engine.prefix_cache import PrefixCache
+from ninfer.engine.prefix_cache import eviction_victim, PrefixCache
 from ninfer.core.request import MAX_SESSION_KEY_CHARS, SessionKey
 from ninfer.core.errors import InvalidRequestError
 from ninfer.core.runtime import StateCache
@@ -221,3 +222,30 @@ def test_a_stored_child_moves_the_endpoint_forward():
     assert branch.cached_tokens < len(root_prompt) + root.completion_tokens - 1
     assert idle(engine)
     engine.shutdown()
+
+
+def test_eviction_takes_superseded_then_cold_then_hit_checkpoints_and_endpoints_last():
+    """Within a group the least recently used goes first; the groups order the choice before recency does."""
+
+    @attrs.define
+    class Entry:
+        name: str
+        last_used: int
+        hits: int = 0
+        superseded: bool = False
+        session: str | None = None
+        tokens: tuple[int, ...] = ()
+
+    entries = [
+        Entry("endpoint", 0, session="s"),
+        Entry("hit", 1, hits=2),
+        Entry("cold", 5),
+        Entry("superseded", 9, hits=1, superseded=True),
+        Entry("older cold", 3),
+    ]
+    order = []
+    while entries:
+        victim = eviction_victim(entries)
+        order.append(victim.name)
+        entries.remove(victim)
+    assert order == ["superseded", "older cold", "cold", "hit", "endpoint"]

@@ -219,3 +219,20 @@ def test_shrunk_capacities_spill_and_evict_without_changing_outputs(servers):
     ]
     # one device slot and two host slots cannot hold four conversations: some turns fall back to root
     assert any(cached == 0 for turns in shrunk for _, cached, _ in turns[1:])
+
+
+def test_a_long_system_prompt_is_shared_by_other_conversations(servers):
+    """An unmarked 2,000-token system prompt (instructions and tools) is reused by a different conversation."""
+    client = servers["pair"].client()
+    system = "You are a meticulous assistant. " + " ".join(f"Rule {index}: be exact." for index in range(330))
+    usages = []
+    for question in ("First question?", "A different question entirely?"):
+        reply = client.chat.completions.create(
+            model=ECHO_MODEL, tools=[WEATHER_TOOL], temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": fence(plain_script(1))},
+                      {"role": "assistant", "content": answer(1)}, {"role": "user", "content": question}],
+        )
+        usages.append(reply.usage)
+    system_tokens = usages[0].prompt_tokens - 60  # everything but the short turns after the system prompt
+    assert usages[0].prompt_tokens > 2000
+    assert usages[1].prompt_tokens_details.cached_tokens >= system_tokens

@@ -7,6 +7,7 @@ response's generation prologue starts (the next request closes that turn with th
 loop after it), and, once a new user query closes the open turn, up to the first assistant opener after the last
 user query (every assistant turn from there loses its reasoning). A checkpoint at each lets every turn reuse its
 history; the engine verifies a hit by exact tokens, so a frontier that does not recur costs only its capture.
+A long leading system turn also gets a frontier of its own, shared by every conversation that starts with it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
+TURN_OPEN = "<|im_start|>"
+SYSTEM_OPEN = "<|im_start|>system\n"
 ASSISTANT_OPEN = "<|im_start|>assistant\n"
 USER_OPEN = "<|im_start|>user\n"
 TOOL_RESPONSE_OPEN = "<tool_response>"
+#: A leading system turn (instructions and tools) this long is worth a checkpoint that other conversations share.
+MIN_SHARED_PREFIX_TOKENS = 256
 
 
 def response_prologue_cut(text: str) -> int | None:
@@ -38,6 +43,22 @@ def open_turn_cut(text: str) -> int | None:
         search_end = user
     cut = text.find(ASSISTANT_OPEN, user)
     return cut if cut > 0 else None
+
+
+def system_run_cut(text: str) -> int | None:
+    """Where the leading system turn (the instructions and the tool definitions) ends."""
+    if not text.startswith(SYSTEM_OPEN):
+        return None
+    cut = text.find(TURN_OPEN, len(SYSTEM_OPEN))
+    return cut if cut > 0 else None
+
+
+def shared_prefix_frontier(text: str, starts: Sequence[int]) -> int | None:
+    """The end of a leading system turn of at least :data:`MIN_SHARED_PREFIX_TOKENS` tokens: the prefix that
+    conversations with the same instructions and tools share (an engine candidate, beside explicit breakpoints)."""
+    cut = system_run_cut(text)
+    frontier = None if cut is None else token_frontier(starts, cut)
+    return frontier if frontier is not None and MIN_SHARED_PREFIX_TOKENS <= frontier < len(starts) else None
 
 
 def token_frontier(starts: Sequence[int], cut: int) -> int | None:

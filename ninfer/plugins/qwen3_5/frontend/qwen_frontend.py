@@ -27,7 +27,7 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     QwenOutputDecoder,
     thinking_budget_control_text,
 )
-from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers
+from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, shared_prefix_frontier
 from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
 
@@ -192,7 +192,10 @@ class QwenFrontend:
             prompt_token_ids=token_ids,
             sampling=sampling,
             budget_close=self._budget_close(conversation, rendered.mode, output_budget),
-            checkpoint_offsets=self._checkpoint_offsets(conversation, rendered, token_ids),
+            checkpoint_offsets=(
+                *self._checkpoint_offsets(conversation, rendered, token_ids),
+                *filter(None, (shared_prefix_frontier(text, starts),)),
+            ),
             continuation_offsets=continuation_frontiers(text, starts),
         )
         return PreparedRequest(
