@@ -40,7 +40,7 @@ CONTEXT_CACHE_OPTIONS = (
     "context_cost_presets",
 )
 #: Options the reference contract defines whose effect is not built yet: startup warns when one is set.
-CONTINUATION_LIMIT_OPTIONS = ("max_private_continuations", "max_shared_prefixes", "max_long_anchors_per_continuation")
+UNBUILT_OPTIONS = ("max_long_anchors_per_continuation",)
 _OPTION = "ninfer.option"
 
 #: A per-value check: ``(field name, given value, registries) -> normalized value``; raises ConfigError.

@@ -101,6 +101,21 @@ class EngineConfig:
     sampling_overrides: Mapping[str, Any] = attrs.field(factory=dict, validator=_overrides)
     greedy: bool = False
     overlap_decode: bool | None = None
+    max_private_continuations: int | None = attrs.field(
+        default=None, validator=_non_negative("max_private_continuations")
+    )
+    max_shared_prefixes: int | None = attrs.field(default=None, validator=_non_negative("max_shared_prefixes"))
+
+    @property
+    def private_continuations(self) -> int:
+        """How many conversation histories the context cache retains checkpoints of (default 2 x concurrency)."""
+        limit = self.max_private_continuations
+        return 2 * self.max_concurrency if limit is None else limit
+
+    @property
+    def shared_prefixes(self) -> int:
+        """How many shared-prefix checkpoints the context cache retains (default max(concurrency, 4))."""
+        return max(self.max_concurrency, 4) if self.max_shared_prefixes is None else self.max_shared_prefixes
 
     @property
     def checkpoint_slots(self) -> int:
@@ -129,6 +144,8 @@ class EngineConfig:
             host_state_slots=config.host_state_slots,
             host_kv_mib=config.host_kv_mib,
             prefix_reuse=not config.no_prefix_reuse,
+            max_private_continuations=config.max_private_continuations,
+            max_shared_prefixes=config.max_shared_prefixes,
             default_max_tokens=policy.default_max_tokens,
             sampling_overrides=policy.sampling_overrides,
             greedy=policy.greedy,

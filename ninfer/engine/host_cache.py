@@ -60,6 +60,7 @@ class HostCheckpoint:
     path: ReusePath = "private_endpoint"
     hits: int = 0
     superseded: bool = False
+    continuation: int | None = None
 
 
 def page_extent_bytes(caches: Sequence[KVCache]) -> int:
@@ -95,6 +96,10 @@ class HostCache:
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
+
+    @property
+    def entries(self) -> tuple[HostCheckpoint, ...]:
+        return tuple(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -142,6 +147,7 @@ class HostCache:
         path: ReusePath = "private_endpoint",
         hits: int = 0,
         superseded: bool = False,
+        continuation: int | None = None,
     ) -> bool:
         """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped."""
         if not self.enabled:
@@ -170,7 +176,7 @@ class HostCache:
         ]
         entry = HostCheckpoint(
             tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter, path, hits,
-            superseded,
+            superseded, continuation,
         )
         self._entries.append(entry)
         self._count(spills=1, bytes_to_host=kv_bytes + _state_bytes(device_state))
@@ -190,7 +196,7 @@ class HostCache:
             if not candidates:
                 return False
             victim = eviction_victim(candidates)
-            self._remove(victim)
+            self.remove(victim)
             self._count(evictions=1)
         return True
 
@@ -217,10 +223,11 @@ class HostCache:
 
     # -- removal -----------------------------------------------------------------------------------
 
-    def _remove(self, entry: HostCheckpoint) -> None:
+    def remove(self, entry: HostCheckpoint) -> None:
+        """Forget ``entry``; its host slot is free again."""
         self._entries.remove(entry)
         self._free_slots.append(entry.state_slot)
 
     def clear(self) -> None:
         for entry in list(self._entries):
-            self._remove(entry)
+            self.remove(entry)

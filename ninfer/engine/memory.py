@@ -18,6 +18,7 @@ device hit or a cold prefill.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import attrs
@@ -31,6 +32,8 @@ from ninfer.engine.sequence import Sequence
 from ninfer.core.request import ReusePath
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
+
+SHARED: ReusePath = "shared_stable_prefix"
 
 
 def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: DrafterMemory | None = None) -> int:
@@ -121,6 +124,11 @@ class EngineMemory:
         self.promised = 0
         self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
         self._resume = None if drafter is None else drafter.resume
+        self.private_continuations = config.private_continuations
+        self.shared_prefixes = config.shared_prefixes
+        self._continuation_ids = itertools.count(1)
+        self._recency = itertools.count()
+        self._continuation_used: dict[int, int] = {}  # continuation -> when a request last joined it
 
     @property
     def num_pages(self) -> int:
@@ -151,7 +159,7 @@ class EngineMemory:
         """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
         self.host.store(
             entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
-            self.state, (self.kv, *self.companions), entry.path, entry.hits, entry.superseded,
+            self.state, (self.kv, *self.companions), entry.path, entry.hits, entry.superseded, entry.continuation,
         )
 
     # -- admission ---------------------------------------------------------------------------------
@@ -184,6 +192,7 @@ class EngineMemory:
         self._reserve(seq, fresh)
         if hit is None:
             self.state.reset(seq.slot)
+            self._join(seq, None)
             return True
         size = len(hit.tokens)
         if consume:
@@ -237,12 +246,50 @@ class EngineMemory:
         if drafter_snapshot is not None and self._resume is not None:
             self._resume.restore(seq, drafter_snapshot)
 
-    @staticmethod
-    def _resumed(seq: Sequence, source: Checkpoint | HostCheckpoint) -> None:
+    def _resumed(self, seq: Sequence, source: Checkpoint | HostCheckpoint) -> None:
         """``seq`` resumed from ``source``: count the hit; the first longer checkpoint ``seq`` keeps supersedes it."""
         source.hits += 1
         seq.reuse_path = source.path
         seq.resumed_from = source
+        self._join(seq, source.continuation)
+
+    def _join(self, seq: Sequence, continuation: int | None) -> None:
+        """``seq`` continues the private continuation it resumed from, or starts one (from root or a shared
+        prefix); either way that continuation is now the most recently used."""
+        seq.continuation = continuation if continuation is not None else next(self._continuation_ids)
+        self._continuation_used[seq.continuation] = next(self._recency)
+
+    def _bound(self, seq: Sequence) -> None:
+        """Keep at most ``private_continuations`` conversation histories (the least recently joined one loses every
+        checkpoint it has, in both tiers; never ``seq``'s own, and one holding a session endpoint only when every
+        other holds one too) and ``shared_prefixes`` shared-prefix checkpoints
+        (host copies first, each tier least recently used first)."""
+        entries = [*self.cache.entries, *self.host.entries]
+        live = {entry.continuation for entry in entries if entry.continuation is not None}
+        sessions = {entry.continuation for entry in entries if entry.session is not None}
+        while len(live) > self.private_continuations:
+            others = [continuation for continuation in live if continuation != seq.continuation]
+            if not others:
+                break
+            victim = min(others, key=lambda continuation: (continuation in sessions,
+                                                           self._continuation_used.get(continuation, -1)))
+            self._forget(lambda entry: entry.continuation == victim)
+            live.discard(victim)
+            self._continuation_used.pop(victim, None)
+        shared = [
+            *sorted((e for e in self.host.entries if e.path == SHARED), key=lambda entry: entry.last_used),
+            *sorted((e for e in self.cache.entries if e.path == SHARED), key=lambda entry: entry.last_used),
+        ]
+        for entry in shared[: max(len(shared) - self.shared_prefixes, 0)]:
+            self._forget(lambda candidate: candidate is entry)
+
+    def _forget(self, matches: Callable[[Any], bool]) -> None:
+        for entry in self.cache.entries:
+            if matches(entry):
+                self.cache.drop(entry)
+        for held in self.host.entries:
+            if matches(held):
+                self.host.remove(held)
 
     def _supersede(self, seq: Sequence) -> None:
         if seq.resumed_from is not None and seq.fed > len(seq.resumed_from.tokens):
@@ -290,13 +337,15 @@ class EngineMemory:
 
     def capture_prefix(self, seq: Sequence, logits: torch.Tensor, path: ReusePath = "private_endpoint") -> None:
         """Checkpoint ``seq``'s fed tokens for reuse ``path``; ``logits`` are the next-token logits after the last
-        of them."""
+        of them. A shared prefix belongs to no continuation."""
         assert seq.slot is not None
         if self.cache.capture(
             seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
             drafter_snapshot=self._drafter_snapshot(seq), path=path,
+            continuation=None if path == SHARED else seq.continuation,
         ):
             self._supersede(seq)
+            self._bound(seq)
 
     def _drafter_snapshot(self, seq: Sequence) -> Callable[[], Any] | None:
         """Takes the drafter's snapshot of ``seq`` at ``seq.fed`` when called (None without a resumable drafter)."""
@@ -321,10 +370,11 @@ class EngineMemory:
                 self.host.demote(endpoint_of)
             kept = self.cache.capture(
                 seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
-                drafter_snapshot=self._drafter_snapshot(seq),
+                drafter_snapshot=self._drafter_snapshot(seq), continuation=seq.continuation,
             )
             if kept:
                 self._supersede(seq)
+                self._bound(seq)
         for page in seq.pages:
             self.pages.release(page)
         seq.pages = []

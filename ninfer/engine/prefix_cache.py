@@ -83,6 +83,7 @@ class Checkpoint:
     path: ReusePath = "private_endpoint"  # the reuse path a hit on it reports
     hits: int = 0  # admissions that resumed from it
     superseded: bool = False  # a request that resumed from it kept a longer checkpoint of the same history
+    continuation: int | None = None  # the private continuation (one conversation history) it belongs to
 
 
 class PrefixCache:
@@ -108,6 +109,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def entries(self) -> tuple[Checkpoint, ...]:
+        return tuple(self._entries)
 
     def endpoint(self, session: str) -> Checkpoint | None:
         """The current endpoint of ``session``, if it is retained."""
@@ -146,6 +151,7 @@ class PrefixCache:
         session: str | None = None,
         drafter_snapshot: Callable[[], Any] | None = None,
         path: ReusePath = "private_endpoint",
+        continuation: int | None = None,
     ) -> bool:
         """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
 
@@ -178,7 +184,8 @@ class PrefixCache:
         for page in kept_pages:
             self._pages.ref(page)
         entry = Checkpoint(
-            key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter, path
+            key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter, path,
+            continuation=continuation,
         )
         self._entries.append(entry)
         return True
@@ -206,6 +213,10 @@ class PrefixCache:
             self._spill(victim)
         self._drop(victim)
         return True
+
+    def drop(self, entry: Checkpoint) -> None:
+        """Forget ``entry`` (not spilled): its pages and slot are released."""
+        self._drop(entry)
 
     def take(self, entry: Checkpoint) -> None:
         """Remove ``entry`` without releasing its pages or slot: the caller now owns them."""

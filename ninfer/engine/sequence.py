@@ -46,6 +46,7 @@ class Sequence:
     cache_n: int = 0
     reuse_path: ReusePath = "root"
     resumed_from: Any = None  # the checkpoint admission resumed from, until a longer one of this history is kept
+    continuation: int | None = None  # the private continuation its checkpoints join (set at admission)
     sampled: int = 0
     control: int = 0
     budget_open: bool = False

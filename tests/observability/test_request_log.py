@@ -425,7 +425,7 @@ def test_stderr_lines_have_the_operational_format(scenario):
         assert STDERR_LINE.match(line), line
     assert any(" INFO ready: serving " in line for line in lines)
     # an option whose effect is not built yet says so at startup instead of silently doing less
-    assert any(" WARNING context cache: continuation limits are not available yet; --max-long-anchors-per-continuation "
+    assert any(" WARNING context cache: long anchors are not available yet; --max-long-anchors-per-continuation "
                "has no effect" in line for line in lines)
     assert not any("--host-state-slots" in line or "--host-kv-mib" in line for line in lines)  # the host tier exists
     assert re.search(r"openai_chat done: \w+, prompt \d+ \(cache \d+ \(\d+%, (root|private [a-z ]+|shared stable prefix)\)\)", scenario.stderr)

@@ -45,10 +45,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     started = start_servers(
         tmp_path_factory.mktemp("reuse"),
         [(echo, [], {}), (echo, ["--no-prefix-reuse"], {}), (echo, ["--max-concurrency", "2"], {}),
-         (echo, SHRUNK, {})],
-        [ECHO_MODEL] * 4,
+         (echo, SHRUNK, {}), (echo, ["--max-private-continuations", "2"], {}),
+         (echo, ["--max-private-continuations", "3"], {}), (echo, ["--max-shared-prefixes", "1"], {})],
+        [ECHO_MODEL] * 7,
     )
-    yield dict(zip(("reuse", "root", "pair", "shrunk"), started))
+    yield dict(zip(("reuse", "root", "pair", "shrunk", "two", "three", "one_shared"), started))
     for server in started:
         server.stop()
 
@@ -221,18 +222,43 @@ def test_shrunk_capacities_spill_and_evict_without_changing_outputs(servers):
     assert any(cached == 0 for turns in shrunk for _, cached, _ in turns[1:])
 
 
+def long_system(name: str) -> str:
+    return f"You are {name}, a meticulous assistant. " + " ".join(f"Rule {index}: be exact." for index in range(330))
+
+
+def ask(server: LiveServer, system: str, question: str) -> Any:
+    """One request under a long system prompt (with tools); its usage."""
+    return server.client().chat.completions.create(
+        model=ECHO_MODEL, tools=[WEATHER_TOOL], temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": fence(plain_script(1))},
+                  {"role": "assistant", "content": answer(1)}, {"role": "user", "content": question}],
+    ).usage
+
+
+SYSTEM_SLACK = 60  # the short turns after the system prompt
+
+
 def test_a_long_system_prompt_is_shared_by_other_conversations(servers):
     """An unmarked 2,000-token system prompt (instructions and tools) is reused by a different conversation."""
-    client = servers["pair"].client()
-    system = "You are a meticulous assistant. " + " ".join(f"Rule {index}: be exact." for index in range(330))
-    usages = []
-    for question in ("First question?", "A different question entirely?"):
-        reply = client.chat.completions.create(
-            model=ECHO_MODEL, tools=[WEATHER_TOOL], temperature=0,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": fence(plain_script(1))},
-                      {"role": "assistant", "content": answer(1)}, {"role": "user", "content": question}],
-        )
-        usages.append(reply.usage)
-    system_tokens = usages[0].prompt_tokens - 60  # everything but the short turns after the system prompt
-    assert usages[0].prompt_tokens > 2000
-    assert usages[1].prompt_tokens_details.cached_tokens >= system_tokens
+    first = ask(servers["pair"], long_system("Ada"), "First question?")
+    second = ask(servers["pair"], long_system("Ada"), "A different question entirely?")
+    assert first.prompt_tokens > 2000
+    assert second.prompt_tokens_details.cached_tokens >= first.prompt_tokens - SYSTEM_SLACK
+
+
+def test_the_shared_prefix_limit_bounds_how_many_system_prompts_are_kept(servers):
+    """With room for one shared prefix, a second system prompt displaces the first (the default keeps both)."""
+    for server, kept in ((servers["pair"], True), (servers["one_shared"], False)):
+        first = ask(server, long_system("Bea"), "One?")
+        ask(server, long_system("Cy"), "Two?")
+        again = ask(server, long_system("Bea"), "Three?")
+        assert (again.prompt_tokens_details.cached_tokens >= first.prompt_tokens - SYSTEM_SLACK) is kept
+
+
+def test_the_private_continuation_limit_bounds_how_many_conversations_are_kept(servers):
+    """Three conversations taking turns: with room for three histories every turn reuses the previous one; with
+    room for two, each conversation is the least recently used when its turn comes, so each turn starts at root."""
+    for turns in interleaved_turns(servers["three"], 3):
+        assert all(current[1] >= previous[0] - PROLOGUE_SLACK for previous, current in zip(turns, turns[1:])), turns
+    for turns in interleaved_turns(servers["two"], 3):
+        assert [cached for _, cached, _ in turns[1:]] == [0] * (TURNS - 1), turns
