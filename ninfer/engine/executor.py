@@ -316,8 +316,7 @@ class Executor:
         seq.prompt_done_at = now
         seq.last_logits = logits
         seq.last_logits_at = seq.fed
-        if self.config.prefix_reuse and not seq.request.continuation_offsets:
-            # a request with continuation frontiers already holds a checkpoint a few tokens before its end
+        if self.config.prefix_reuse:
             clock.switch(HostPhase.ENGINE_MAINTENANCE, WorkClass.CONTROL)
             with clock.detail(Detail.CONTEXT_TRANSACTION):
                 self.memory.capture_prompt(seq)

@@ -331,18 +331,22 @@ class EngineMemory:
     # -- checkpoints and release -------------------------------------------------------------------
 
     def capture_prompt(self, seq: Sequence) -> None:
-        """Checkpoint the end of ``seq``'s prompt (its state is copied into a spare slot)."""
+        """Checkpoint the end of ``seq``'s prompt (its state is copied into a spare slot). With continuation
+        frontiers it serves only an exact repeat (the response-prologue frontier serves the rest), so it is kept
+        as the first to evict."""
         assert seq.last_logits is not None
-        self.capture_prefix(seq, seq.last_logits)
+        self.capture_prefix(seq, seq.last_logits, redundant=bool(seq.request.continuation_offsets))
 
-    def capture_prefix(self, seq: Sequence, logits: torch.Tensor, path: ReusePath = "private_endpoint") -> None:
+    def capture_prefix(
+        self, seq: Sequence, logits: torch.Tensor, path: ReusePath = "private_endpoint", *, redundant: bool = False
+    ) -> None:
         """Checkpoint ``seq``'s fed tokens for reuse ``path``; ``logits`` are the next-token logits after the last
-        of them. A shared prefix belongs to no continuation."""
+        of them. A shared prefix belongs to no continuation; a ``redundant`` checkpoint is evicted first."""
         assert seq.slot is not None
         if self.cache.capture(
             seq.tokens[: seq.fed], seq.pages, seq.slot, logits, take_slot=False,
             drafter_snapshot=self._drafter_snapshot(seq), path=path,
-            continuation=None if path == SHARED else seq.continuation,
+            continuation=None if path == SHARED else seq.continuation, superseded=redundant,
         ):
             self._supersede(seq)
             self._bound(seq)

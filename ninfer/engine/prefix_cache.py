@@ -82,7 +82,9 @@ class Checkpoint:
     drafter: Any = None  # the speculative drafter's snapshot at the checkpoint's end; None: it restarts cold
     path: ReusePath = "private_endpoint"  # the reuse path a hit on it reports
     hits: int = 0  # admissions that resumed from it
-    superseded: bool = False  # a request that resumed from it kept a longer checkpoint of the same history
+    # a request that resumed from it kept a longer checkpoint of the same history, or it repeats a frontier a few
+    # tokens before it (a prompt end after the response's prologue frontier): either way it is evicted first
+    superseded: bool = False
     continuation: int | None = None  # the private continuation (one conversation history) it belongs to
 
 
@@ -152,6 +154,7 @@ class PrefixCache:
         drafter_snapshot: Callable[[], Any] | None = None,
         path: ReusePath = "private_endpoint",
         continuation: int | None = None,
+        superseded: bool = False,
     ) -> bool:
         """Keep a checkpoint of ``tokens`` whose KV is in ``pages`` and whose state is in ``slot``.
 
@@ -185,7 +188,7 @@ class PrefixCache:
             self._pages.ref(page)
         entry = Checkpoint(
             key, kept_pages, snapshot_slot, logits.detach().clone(), self._tick(), session, drafter, path,
-            continuation=continuation,
+            superseded=superseded, continuation=continuation,
         )
         self._entries.append(entry)
         return True
