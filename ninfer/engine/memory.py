@@ -19,6 +19,7 @@ device hit or a cold prefill.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any, Callable
 
 import attrs
@@ -129,6 +130,7 @@ class EngineMemory:
         self._continuation_ids = itertools.count(1)
         self._recency = itertools.count()
         self._continuation_used: dict[int, int] = {}  # continuation -> when a request last joined it
+        self._continuation_active: Counter[int] = Counter()  # continuation -> admitted requests in it
 
     @property
     def num_pages(self) -> int:
@@ -258,6 +260,7 @@ class EngineMemory:
         prefix); either way that continuation is now the most recently used."""
         seq.continuation = continuation if continuation is not None else next(self._continuation_ids)
         self._continuation_used[seq.continuation] = next(self._recency)
+        self._continuation_active[seq.continuation] += 1
 
     def _bound(self, seq: Sequence) -> None:
         """Keep at most ``private_continuations`` conversation histories (the least recently joined one loses every
@@ -275,7 +278,9 @@ class EngineMemory:
                                                            self._continuation_used.get(continuation, -1)))
             self._forget(lambda entry: entry.continuation == victim)
             live.discard(victim)
-            self._continuation_used.pop(victim, None)
+        for continuation in list(self._continuation_used):  # histories with no checkpoint and no request left
+            if continuation not in live and not self._continuation_active[continuation]:
+                del self._continuation_used[continuation]
         shared = [
             *sorted((e for e in self.host.entries if e.path == SHARED), key=lambda entry: entry.last_used),
             *sorted((e for e in self.cache.entries if e.path == SHARED), key=lambda entry: entry.last_used),
@@ -366,6 +371,10 @@ class EngineMemory:
         """
         if seq.slot is None:
             return
+        if seq.continuation is not None:
+            self._continuation_active[seq.continuation] -= 1
+            if not self._continuation_active[seq.continuation]:
+                del self._continuation_active[seq.continuation]
         kept = False
         if checkpoint and seq.fed > 0 and seq.last_logits is not None and seq.last_logits_at == seq.fed:
             session = seq.request.session
