@@ -21,7 +21,7 @@ from ninfer.engine.events import (
     Usage,
 )
 from ninfer.engine.handle import RequestHandle
-from ninfer.engine.host_cache import HostTierCounters
+from ninfer.engine.host_cache import HostTierCounters, SelectionCounters
 from ninfer.engine.host_work import CLASS_NAMES, DETAIL_NAMES, HOST_PHASES, PHASE_NAMES, HostPhase, HostWorkTotals
 from ninfer.engine.memory import MemoryStats
 from ninfer.engine.round_harness import RoundHarness, decoding_sequence
@@ -50,6 +50,7 @@ __all__ = [
     "RequestHandle",
     "RequestTimings",
     "RoundHarness",
+    "SelectionCounters",
     "SpeculativeCounters",
     "StopMatch",
     "TokensEvent",

@@ -44,6 +44,31 @@ class HostTierCounters:
         )
 
 
+@attrs.frozen
+class SelectionCounters:
+    """Cumulative context-cache decisions: admissions by the reuse path they resumed from (``root``: none) and the
+    prompt tokens they reused, checkpoints captured, and what the continuation limits removed."""
+
+    root: int = 0
+    private_endpoint: int = 0
+    private_turn_closure: int = 0
+    private_response_replay: int = 0
+    private_long_anchor: int = 0
+    shared_stable_prefix: int = 0
+    reused_prompt_tokens: int = 0
+    captures: int = 0
+    continuations_evicted: int = 0
+    shared_prefixes_dropped: int = 0
+
+    def minus(self, earlier: "SelectionCounters") -> "SelectionCounters":
+        return SelectionCounters(
+            *(getattr(self, field.name) - getattr(earlier, field.name) for field in attrs.fields(SelectionCounters))
+        )
+
+    def add(self, **deltas: int) -> "SelectionCounters":
+        return attrs.evolve(self, **{name: getattr(self, name) + value for name, value in deltas.items()})
+
+
 @attrs.define(eq=False)
 class HostCheckpoint:
     """A checkpoint held in host memory: ``kv[c]`` is cache c's ``(keys, values)``, each ``[pages, ...]`` per layer."""

@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
-from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters
+from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache
 from ninfer.engine.sequence import Sequence
@@ -100,6 +100,8 @@ class MemoryStats:
     host_checkpoints: int = 0
     host_kv_bytes: int = 0
     host_tier: HostTierCounters = HostTierCounters()  # cumulative since start
+    selections: SelectionCounters = SelectionCounters()  # cumulative since start
+    last_frontier: int | None = None  # prompt tokens the latest admission reused (None before the first)
 
 
 class EngineMemory:
@@ -131,6 +133,8 @@ class EngineMemory:
         self._recency = itertools.count()
         self._continuation_used: dict[int, int] = {}  # continuation -> when a request last joined it
         self._continuation_active: Counter[int] = Counter()  # continuation -> admitted requests in it
+        self.selections = SelectionCounters()
+        self.last_frontier: int | None = None
 
     @property
     def num_pages(self) -> int:
@@ -150,6 +154,8 @@ class EngineMemory:
             host_checkpoints=len(self.host),
             host_kv_bytes=self.host.used_kv_bytes,
             host_tier=self.host.counters,
+            selections=self.selections,
+            last_frontier=self.last_frontier,
         )
 
     def clear_cache(self) -> None:
@@ -195,6 +201,7 @@ class EngineMemory:
         if hit is None:
             self.state.reset(seq.slot)
             self._join(seq, None)
+            self._selected("root", 0)
             return True
         size = len(hit.tokens)
         if consume:
@@ -254,6 +261,11 @@ class EngineMemory:
         seq.reuse_path = source.path
         seq.resumed_from = source
         self._join(seq, source.continuation)
+        self._selected(source.path, len(source.tokens))
+
+    def _selected(self, path: str, reused: int) -> None:
+        self.selections = self.selections.add(**{path: 1}, reused_prompt_tokens=reused)
+        self.last_frontier = reused
 
     def _join(self, seq: Sequence, continuation: int | None) -> None:
         """``seq`` continues the private continuation it resumed from, or starts one (from root or a shared
@@ -277,6 +289,7 @@ class EngineMemory:
             victim = min(others, key=lambda continuation: (continuation in sessions,
                                                            self._continuation_used.get(continuation, -1)))
             self._forget(lambda entry: entry.continuation == victim)
+            self.selections = self.selections.add(continuations_evicted=1)
             live.discard(victim)
         for continuation in list(self._continuation_used):  # histories with no checkpoint and no request left
             if continuation not in live and not self._continuation_active[continuation]:
@@ -287,6 +300,7 @@ class EngineMemory:
         ]
         for entry in shared[: max(len(shared) - self.shared_prefixes, 0)]:
             self._forget(lambda candidate: candidate is entry)
+            self.selections = self.selections.add(shared_prefixes_dropped=1)
 
     def _forget(self, matches: Callable[[Any], bool]) -> None:
         for entry in self.cache.entries:
@@ -353,6 +367,7 @@ class EngineMemory:
             drafter_snapshot=self._drafter_snapshot(seq), path=path,
             continuation=None if path == SHARED else seq.continuation, superseded=redundant,
         ):
+            self.selections = self.selections.add(captures=1)
             self._supersede(seq)
             self._bound(seq)
 
@@ -386,6 +401,7 @@ class EngineMemory:
                 drafter_snapshot=self._drafter_snapshot(seq), continuation=seq.continuation,
             )
             if kept:
+                self.selections = self.selections.add(captures=1)
                 self._supersede(seq)
                 self._bound(seq)
         for page in seq.pages:

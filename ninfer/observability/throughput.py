@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.core.request import REUSE_PATHS
 from ninfer.engine import (
     CLASS_NAMES,
     DETAIL_NAMES,
@@ -24,6 +25,7 @@ from ninfer.engine import (
     HostPhase,
     HostTierCounters,
     HostWorkTotals,
+    SelectionCounters,
 )
 from ninfer.observability import oplog
 
@@ -122,9 +124,15 @@ def host_work_fields(work: HostWorkTotals) -> dict[str, Any]:
     }
 
 
-def context_cache_counters(delta: HostTierCounters) -> dict[str, Any]:
-    """The JSONL ``context_cache.counters`` object of one interval's host-tier deltas."""
-    return {"host_tier": attrs.asdict(delta)}
+def context_cache_counters(delta: HostTierCounters, selections: SelectionCounters) -> dict[str, Any]:
+    """The JSONL ``context_cache.counters`` object of one interval's host-tier and selection deltas."""
+    chosen = attrs.asdict(selections)
+    return {
+        "host_tier": attrs.asdict(delta),
+        "selections": {name: chosen[name] for name in (*REUSE_PATHS, "reused_prompt_tokens")},
+        "captures": {"completed": selections.captures},
+        "pressure": {name: chosen[name] for name in ("continuations_evicted", "shared_prefixes_dropped")},
+    }
 
 
 def _occupancy(memory: Any) -> dict[str, int]:
@@ -140,6 +148,12 @@ def _occupancy(memory: Any) -> dict[str, int]:
     return occupancy
 
 
+def _last_selection(memory: Any) -> dict[str, int] | None:
+    """The latest admission's reused prompt tokens (a gauge), once there has been one."""
+    frontier = getattr(memory, "last_frontier", None)
+    return None if frontier is None else {"frontier_tokens": frontier}
+
+
 def host_active_seconds(work: HostWorkTotals) -> float:
     """The interval's host-active time: the five host phases (device wait excluded)."""
     return sum(work.phase_seconds(phase) for phase in HOST_PHASES)
@@ -148,8 +162,10 @@ def host_active_seconds(work: HostWorkTotals) -> float:
 def throughput_fields(
     counts: IntervalCounts, interval_seconds: float, stats: Any, rounds: RoundCounts = RoundCounts(),
     host_work: HostWorkTotals | None = None, cache_counters: HostTierCounters | None = None,
+    selections: SelectionCounters = SelectionCounters(),
 ) -> dict[str, Any]:
-    """The JSONL ``throughput`` event body; ``cache_counters`` are the interval's host-tier deltas (None: null)."""
+    """The JSONL ``throughput`` event body; ``cache_counters`` are the interval's host-tier deltas (None: null),
+    ``selections`` its context-cache decisions."""
     memory = stats.memory
     return {
         "interval_seconds": interval_seconds,
@@ -163,8 +179,8 @@ def throughput_fields(
         "scheduler": scheduler_snapshot(stats),
         "context_cache": {
             "occupancy": _occupancy(memory),
-            "counters": None if cache_counters is None else context_cache_counters(cache_counters),
-            "last_selection": None,
+            "counters": None if cache_counters is None else context_cache_counters(cache_counters, selections),
+            "last_selection": _last_selection(memory),
         },
         "host_work": None if host_work is None else host_work_fields(host_work),
     }
@@ -210,12 +226,14 @@ class ThroughputReporter:
         self._last_rounds = RoundCounts()
         self._last_host = HostWorkTotals.zero()
         self._last_cache = HostTierCounters()
+        self._last_selections = SelectionCounters()
         self._thread = threading.Thread(target=self._run, name="ninfer-throughput", daemon=True)
 
     def start(self) -> None:
         """Start reporting; work the engine did before now (startup) is not reported."""
         stats = self.engine.stats()
         self._last_cache = getattr(stats.memory, "host_tier", None) or HostTierCounters()
+        self._last_selections = getattr(stats.memory, "selections", None) or SelectionCounters()
         host = stats.host_work
         if host is not None:
             self._last_host = host
@@ -259,11 +277,14 @@ class ThroughputReporter:
         cache_delta = None if cache_total is None else cache_total.minus(self._last_cache)
         if cache_total is not None:
             self._last_cache = cache_total
-        cache_idle = cache_delta is None or cache_delta == HostTierCounters()
+        selections_total = getattr(stats.memory, "selections", None) or SelectionCounters()
+        selections = selections_total.minus(self._last_selections)
+        self._last_selections = selections_total
+        cache_idle = (cache_delta is None or cache_delta == HostTierCounters()) and selections == SelectionCounters()
         if counts.idle() and stats.outstanding == 0 and rounds.rounds == 0 and cache_idle:
             return False
         oplog.get_logger().info(pretty_line(counts, interval_seconds, stats, rounds, host_delta))
         if self.request_log is not None:
-            fields = throughput_fields(counts, interval_seconds, stats, rounds, host_delta, cache_delta)
+            fields = throughput_fields(counts, interval_seconds, stats, rounds, host_delta, cache_delta, selections)
             self.request_log.write("throughput", fields)
         return True

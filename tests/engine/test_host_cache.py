@@ -226,15 +226,20 @@ def test_a_host_hit_under_page_pressure_evicts_device_checkpoints_and_stays_exac
 
 def test_the_throughput_event_reports_host_tier_deltas():
     engine = make_engine(True)
-    conversation(engine)
+    _, _, follow_up = conversation(engine)
     stats = engine.stats()
     delta = stats.memory.host_tier.minus(HostTierCounters(spills=1))
-    fields = throughput_fields(IntervalCounts(), 1.0, stats, cache_counters=delta)
+    fields = throughput_fields(IntervalCounts(), 1.0, stats, cache_counters=delta, selections=stats.memory.selections)
     context = fields["context_cache"]
     assert context["counters"]["host_tier"]["hits"] == 1
     assert context["counters"]["host_tier"]["spills"] == stats.memory.host_tier.spills - 1
     assert context["occupancy"]["host_checkpoints"] == len(engine._memory.host) > 0
-    assert context["last_selection"] is None
+    # three admissions: A and B from root, the follow-up from A's endpoint restored from the host tier
+    selections = context["counters"]["selections"]
+    assert (selections["root"], selections["private_endpoint"]) == (2, 1)
+    assert selections["reused_prompt_tokens"] == follow_up.cached_tokens > 0
+    assert context["counters"]["captures"]["completed"] >= 3
+    assert context["last_selection"] == {"frontier_tokens": follow_up.cached_tokens}
     engine.shutdown()
 
 
