@@ -13,6 +13,21 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 
 @attrs.frozen
+class ReuseLimit:
+    """Why a request did not reuse more of its prompt.
+
+    ``reason``: ``disabled`` (prefix reuse off), ``no_checkpoint`` (nothing retained shares a token with the
+    prompt), ``longest_available`` (no retained checkpoint shares more than what was reused), ``diverged`` (a
+    retained checkpoint shares ``diverged_at`` tokens, more than were reused, then differs: the client re-rendered
+    history differently, or the prompt ends inside it), ``capacity`` (the matching checkpoint could not be shared
+    within the request's reservation, so it started at root).
+    """
+
+    reason: Literal["disabled", "no_checkpoint", "longest_available", "diverged", "capacity"]
+    diverged_at: int | None = None
+
+
+@attrs.frozen
 class StopMatch:
     """Which stop ended a request: a stop token id or a stop string."""
 
@@ -52,6 +67,7 @@ class GenerationOutcome:
     timings: RequestTimings
     speculative: SpeculativeCounters | None = None  # with --spec: the request's drafting counters
     reuse_path: ReusePath = "root"  # which kind of checkpoint the prompt resumed from
+    reuse_limit: ReuseLimit | None = None  # why it did not reuse more (None: never admitted)
 
     @property
     def completion_tokens(self) -> int:

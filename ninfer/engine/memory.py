@@ -28,7 +28,8 @@ import torch
 from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
 from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
-from ninfer.engine.prefix_cache import Checkpoint, PrefixCache
+from ninfer.engine.events import ReuseLimit
+from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix
 from ninfer.engine.sequence import Sequence
 from ninfer.core.request import ReusePath
 from ninfer.core.errors import ConfigError
@@ -180,16 +181,19 @@ class EngineMemory:
         else references is consumed instead: the request takes over its pages and the checkpoint is dropped.
         Failing both, the request is admitted without reuse.
         """
+        seq.reuse_limit = None
         hit = self.cache.lookup(seq.prompt) if reuse else None
         if reuse and self.host.enabled:
             host_hit = self.host.lookup(seq.prompt, longer_than=0 if hit is None else len(hit.tokens))
             if host_hit is not None and self._admit_from_host(seq, host_hit):
+                seq.reuse_limit = self._diagnose(seq.prompt, len(host_hit.tokens))
                 return True
         consume = False
         if hit is not None and not self._fits(seq, hit, self._shareable_pages(hit)):
             consume = self._consumable(hit) and self._fits(seq, hit, len(hit.pages))
             if not consume:
                 hit = None
+                seq.reuse_limit = ReuseLimit("capacity")
         reused = 0 if hit is None else len(hit.pages) if consume else self._shareable_pages(hit)
         if not self._fits(seq, hit, reused):
             return False
@@ -202,6 +206,8 @@ class EngineMemory:
             self.state.reset(seq.slot)
             self._join(seq, None)
             self._selected("root", 0)
+            if seq.reuse_limit is None:
+                seq.reuse_limit = self._diagnose(seq.prompt, 0) if reuse else ReuseLimit("disabled")
             return True
         size = len(hit.tokens)
         if consume:
@@ -220,6 +226,7 @@ class EngineMemory:
             self.slots.release(hit.slot)
         self._resume_at(seq, size, hit.logits, hit.drafter)
         self._resumed(seq, hit)
+        seq.reuse_limit = self._diagnose(seq.prompt, size)
         return True
 
     def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
@@ -262,6 +269,14 @@ class EngineMemory:
         seq.resumed_from = source
         self._join(seq, source.continuation)
         self._selected(source.path, len(source.tokens))
+
+    def _diagnose(self, prompt: list[int], reused: int) -> ReuseLimit:
+        """Why ``reused`` tokens is all the retained checkpoints (both tiers) could give ``prompt``."""
+        shared = max((common_prefix(entry.tokens, prompt) for entry in (*self.cache.entries, *self.host.entries)),
+                     default=0)
+        if shared > reused:
+            return ReuseLimit("diverged", shared)
+        return ReuseLimit("longest_available" if shared else "no_checkpoint")
 
     def _selected(self, path: str, reused: int) -> None:
         self.selections = self.selections.add(**{path: 1}, reused_prompt_tokens=reused)

@@ -56,6 +56,18 @@ def longest_prefix(entries: Iterable[R], prompt: Sequence[int], longer_than: int
     return best
 
 
+def common_prefix(tokens: Sequence[int], prompt: Sequence[int], block: int = 512) -> int:
+    """How many leading tokens ``tokens`` and ``prompt`` share (block-wise slice comparisons, then one block)."""
+    size = min(len(tokens), len(prompt))
+    start = 0
+    while start < size and tuple(tokens[start : start + block]) == tuple(prompt[start : start + block]):
+        start += block
+    end = min(start + block, size)
+    while start < end and tokens[start] == prompt[start]:
+        start += 1
+    return min(start, size)
+
+
 def eviction_victim(entries: Iterable[R]) -> R:
     """The entry to evict first, least recently used within the first non-empty group: anonymous checkpoints that
     a later request resumed from and extended (superseded), then anonymous ones never hit, then anonymous ones hit,

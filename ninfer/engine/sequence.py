@@ -11,7 +11,7 @@ from ninfer.engine.admission import AdmissionTicket
 from ninfer.engine.handle import RequestHandle
 from ninfer.engine.host_work import RequestHostWork
 from ninfer.core.request import GenerationRequest, ReusePath
-from ninfer.engine.events import FinishReason, GenerationOutcome, StopMatch
+from ninfer.engine.events import FinishReason, GenerationOutcome, ReuseLimit, StopMatch
 from ninfer.engine.sampler import RowSampler
 from ninfer.engine.stops import OutputText
 from ninfer.engine.timings import RequestTimings, SpeculativeCounters
@@ -47,6 +47,7 @@ class Sequence:
     reuse_path: ReusePath = "root"
     resumed_from: Any = None  # the checkpoint admission resumed from, until a longer one of this history is kept
     continuation: int | None = None  # the private continuation its checkpoints join (set at admission)
+    reuse_limit: ReuseLimit | None = None  # why admission did not reuse more of the prompt
     sampled: int = 0
     control: int = 0
     budget_open: bool = False
@@ -107,6 +108,7 @@ class Sequence:
             text="".join(self.emitted),
             cached_tokens=self.cache_n,
             reuse_path=self.reuse_path,
+            reuse_limit=self.reuse_limit,
             control_tokens=self.control,
             seed=self.sampler.seed,
             sampling=self.sampler.params,

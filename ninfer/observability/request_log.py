@@ -314,6 +314,7 @@ def request_done_fields(
             "prefix_cache_hit_tokens": outcome.cached_tokens,
             "computed_prefill_tokens": computed,
             "prefix_reuse_path": outcome.reuse_path,
+            "reuse_limit": None if outcome.reuse_limit is None else attrs.asdict(outcome.reuse_limit),
             "seed": outcome.seed,
             "tool_call_parse": {
                 "marker_seen": parse_report.marker_seen,

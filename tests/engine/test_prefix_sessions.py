@@ -16,6 +16,7 @@ import torch
 from ninfer.core.request import GenerationRequest, SamplingParams
 
 from ninfer.engine import Engine, EngineConfig
+from ninfer.engine.events import ReuseLimit
 from ninfer.engine.pages import PagePool, SlotPool
 from ninfer.engine.prefix_cache import eviction_victim, PrefixCache
 from ninfer.core.request import MAX_SESSION_KEY_CHARS, SessionKey
@@ -249,3 +250,21 @@ def test_eviction_takes_superseded_then_cold_then_hit_checkpoints_and_endpoints_
         order.append(victim.name)
         entries.remove(victim)
     assert order == ["superseded", "older cold", "cold", "hit", "endpoint"]
+
+
+def test_every_outcome_says_why_it_did_not_reuse_more():
+    engine = make_engine()
+    first = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    answer = run(engine, first)
+    assert answer.reuse_limit == ReuseLimit("no_checkpoint")
+    follow_up = run(engine, [*first, *answer.output_token_ids, 50])
+    assert follow_up.cached_tokens == len(first) + answer.completion_tokens - 1
+    assert follow_up.reuse_limit == ReuseLimit("longest_available")
+    # shares the first 7 tokens with the retained checkpoints, which all continue differently: nothing to resume
+    edited = run(engine, [*first[:7], 40, 41, 42])
+    assert (edited.cached_tokens, edited.reuse_limit) == (0, ReuseLimit("diverged", 7))
+    engine.shutdown()
+    config = EngineConfig(max_concurrency=1, max_context=256, page_size=PAGE, prefix_reuse=False,
+                          pending_timeout_ms=None)
+    with Engine(ChecksumRuntime(), config, tokenizer=LetterTokenizer()) as plain:
+        assert run(plain, first).reuse_limit == ReuseLimit("disabled")
