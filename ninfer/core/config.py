@@ -39,8 +39,6 @@ CONTEXT_CACHE_OPTIONS = (
     "max_long_anchors_per_continuation",
     "context_cost_presets",
 )
-#: Options the reference contract defines whose effect is not built yet: startup warns when one is set.
-UNBUILT_OPTIONS = ("max_long_anchors_per_continuation",)
 _OPTION = "ninfer.option"
 
 #: A per-value check: ``(field name, given value, registries) -> normalized value``; raises ConfigError.
@@ -466,14 +464,6 @@ def _resolve_derived_defaults(values: dict[str, Any], given: dict[str, Any]) -> 
     for name, value in derived.items():
         if name not in given:
             values[name] = value
-
-
-def changed_options(config: ServeConfig, names: Iterable[str]) -> list[str]:
-    """Which of ``names`` hold a value other than the one they take when not given (derived defaults included)."""
-    values = {name: attribute.default for name, (attribute, _spec) in serve_options().items()}
-    values.update(max_concurrency=config.max_concurrency, max_context=config.max_context)
-    _resolve_derived_defaults(values, {})
-    return [name for name in names if getattr(config, name) != values[name]]
 
 
 def _check_combinations(

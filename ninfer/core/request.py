@@ -183,7 +183,8 @@ class GenerationRequest:
     ``report_progress`` publishes :class:`ProgressEvent` after admission and after every prefill chunk.
     ``checkpoint_offsets`` are prompt frontiers (token counts) where prefill stops a chunk and captures a reusable
     checkpoint (explicit cache breakpoints); ``continuation_offsets`` are the same for the frontiers where the
-    conversation's next request stops sharing this prompt (before the response's prologue, before the open turn).
+    conversation's next request stops sharing this prompt (before the response's prologue, before the open turn);
+    ``anchor_offsets`` are long-context recovery points further back.
     Frontiers outside the computed part of the prompt, or at its end, are ignored. ``session`` marks the request as part of an engine-local reuse session (see :class:`SessionKey`).
     """
 
@@ -195,17 +196,21 @@ class GenerationRequest:
     checkpoint_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
     session: SessionKey | None = attrs.field(default=None, validator=_check_session)
     continuation_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
+    anchor_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
 
     @property
     def frontiers(self) -> tuple[int, ...]:
         """Every requested checkpoint frontier, in order."""
-        return _frontiers((*self.checkpoint_offsets, *self.continuation_offsets))
+        return _frontiers((*self.checkpoint_offsets, *self.continuation_offsets, *self.anchor_offsets))
 
     def frontier_path(self, offset: int) -> ReusePath:
-        """The reuse path a checkpoint at frontier ``offset`` serves: an explicit breakpoint is a shared prefix;
-        of the continuation frontiers the last is the response's prologue, any earlier one the open turn."""
+        """The reuse path a checkpoint at frontier ``offset`` serves: an explicit breakpoint is a shared prefix, an
+        anchor a long anchor; of the continuation frontiers the last is the response's prologue, any earlier one
+        the open turn."""
         if offset in self.checkpoint_offsets:
             return "shared_stable_prefix"
+        if offset in self.anchor_offsets:
+            return "private_long_anchor"
         if self.continuation_offsets and offset == self.continuation_offsets[-1]:
             return "private_response_replay"
         return "private_turn_closure"

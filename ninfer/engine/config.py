@@ -105,6 +105,9 @@ class EngineConfig:
         default=None, validator=_non_negative("max_private_continuations")
     )
     max_shared_prefixes: int | None = attrs.field(default=None, validator=_non_negative("max_shared_prefixes"))
+    max_long_anchors_per_continuation: int = attrs.field(
+        default=2, validator=_non_negative("max_long_anchors_per_continuation")
+    )
 
     @property
     def private_continuations(self) -> int:
@@ -146,6 +149,7 @@ class EngineConfig:
             prefix_reuse=not config.no_prefix_reuse,
             max_private_continuations=config.max_private_continuations,
             max_shared_prefixes=config.max_shared_prefixes,
+            max_long_anchors_per_continuation=config.max_long_anchors_per_continuation,
             default_max_tokens=policy.default_max_tokens,
             sampling_overrides=policy.sampling_overrides,
             greedy=policy.greedy,

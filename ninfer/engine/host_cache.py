@@ -59,6 +59,7 @@ class SelectionCounters:
     captures: int = 0
     continuations_evicted: int = 0
     shared_prefixes_dropped: int = 0
+    long_anchors_dropped: int = 0
 
     def minus(self, earlier: "SelectionCounters") -> "SelectionCounters":
         return SelectionCounters(

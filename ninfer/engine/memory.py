@@ -36,6 +36,7 @@ from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 
 SHARED: ReusePath = "shared_stable_prefix"
+ANCHOR: ReusePath = "private_long_anchor"
 
 
 def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: DrafterMemory | None = None) -> int:
@@ -130,6 +131,7 @@ class EngineMemory:
         self._resume = None if drafter is None else drafter.resume
         self.private_continuations = config.private_continuations
         self.shared_prefixes = config.shared_prefixes
+        self.long_anchors = config.max_long_anchors_per_continuation
         self._continuation_ids = itertools.count(1)
         self._recency = itertools.count()
         self._continuation_used: dict[int, int] = {}  # continuation -> when a request last joined it
@@ -292,7 +294,8 @@ class EngineMemory:
     def _bound(self, seq: Sequence) -> None:
         """Keep at most ``private_continuations`` conversation histories (the least recently joined one loses every
         checkpoint it has, in both tiers; never ``seq``'s own, and one holding a session endpoint only when every
-        other holds one too) and ``shared_prefixes`` shared-prefix checkpoints
+        other holds one too), ``long_anchors`` anchors per history (host copies first, least recently used first)
+        and ``shared_prefixes`` shared-prefix checkpoints
         (host copies first, each tier least recently used first)."""
         entries = [*self.cache.entries, *self.host.entries]
         live = {entry.continuation for entry in entries if entry.continuation is not None}
@@ -306,6 +309,13 @@ class EngineMemory:
             self._forget(lambda entry: entry.continuation == victim)
             self.selections = self.selections.add(continuations_evicted=1)
             live.discard(victim)
+        anchors = sorted((e for e in (*self.host.entries, *self.cache.entries) if e.path == ANCHOR),
+                         key=lambda entry: (isinstance(entry, Checkpoint), entry.last_used))
+        for continuation in live:
+            own = [entry for entry in anchors if entry.continuation == continuation]
+            for entry in own[: max(len(own) - self.long_anchors, 0)]:
+                self._forget(lambda candidate: candidate is entry)
+                self.selections = self.selections.add(long_anchors_dropped=1)
         for continuation in list(self._continuation_used):  # histories with no checkpoint and no request left
             if continuation not in live and not self._continuation_active[continuation]:
                 del self._continuation_used[continuation]

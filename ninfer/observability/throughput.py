@@ -131,7 +131,8 @@ def context_cache_counters(delta: HostTierCounters, selections: SelectionCounter
         "host_tier": attrs.asdict(delta),
         "selections": {name: chosen[name] for name in (*REUSE_PATHS, "reused_prompt_tokens")},
         "captures": {"completed": selections.captures},
-        "pressure": {name: chosen[name] for name in ("continuations_evicted", "shared_prefixes_dropped")},
+        "pressure": {name: chosen[name] for name in (
+            "continuations_evicted", "shared_prefixes_dropped", "long_anchors_dropped")},
     }
 
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 import uvicorn
 
 from ninfer.core.artifact.source import open_model_source
-from ninfer.core.config import UNBUILT_OPTIONS, changed_options, option_flag
 from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.errors import ConfigError, NotYetAvailableError
 from ninfer.observability import oplog
@@ -154,11 +153,6 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
                 f"recurrent layers on {runtime.spec.device}"
             )
-            unavailable = changed_options(config, UNBUILT_OPTIONS)
-            if unavailable:
-                flags = ", ".join(option_flag(name) for name in unavailable)
-                log.warning(f"context cache: long anchors are not available yet; {flags} "
-                            f"{'has' if len(unavailable) == 1 else 'have'} no effect")
             frontend = family.require("build_frontend")(artifact, config, loaded.tokenizer)
             context = ServerContext(
                 config=config,

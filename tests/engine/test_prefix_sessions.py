@@ -268,3 +268,25 @@ def test_every_outcome_says_why_it_did_not_reuse_more():
                           pending_timeout_ms=None)
     with Engine(ChecksumRuntime(), config, tokenizer=LetterTokenizer()) as plain:
         assert run(plain, first).reuse_limit == ReuseLimit("disabled")
+
+
+def anchored(engine: Engine, prompt: list[int], anchors: tuple[int, ...]):
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.0), anchor_offsets=anchors)
+    outcome = engine.submit(request).result(10)
+    assert outcome.output_token_ids == tuple(oracle_greedy(prompt, 3))
+    return outcome
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(2, (40, "private_long_anchor")), (1, (0, "root"))])
+def test_an_edit_behind_the_recent_frontiers_resumes_from_a_long_anchor(limit, expected):
+    """A history edited at token 60 resumes from the anchor at 40; with room for one anchor per conversation only
+    the most recent (80) is kept, which the edit passes, so the request starts at root."""
+    config = EngineConfig(max_concurrency=1, device_state_slots=6, max_context=256, page_size=PAGE,
+                          prefill_chunk=16, pending_timeout_ms=None, max_long_anchors_per_continuation=limit)
+    rng = random.Random(7)
+    history = [rng.randrange(1, 97) for _ in range(100)]
+    with Engine(ChecksumRuntime(), config, tokenizer=LetterTokenizer()) as engine:
+        anchored(engine, history, (40, 80))
+        edited = anchored(engine, [*history[:60], 96, 95, 94], (40, 80))
+        assert (edited.cached_tokens, edited.reuse_path) == expected
+        assert engine.stats().memory.selections.long_anchors_dropped == (2 - limit)

@@ -262,3 +262,4 @@ def test_the_private_continuation_limit_bounds_how_many_conversations_are_kept(s
         assert all(current[1] >= previous[0] - PROLOGUE_SLACK for previous, current in zip(turns, turns[1:])), turns
     for turns in interleaved_turns(servers["two"], 3):
         assert [cached for _, cached, _ in turns[1:]] == [0] * (TURNS - 1), turns
+

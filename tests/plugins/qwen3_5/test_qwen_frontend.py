@@ -728,3 +728,26 @@ def test_a_tool_loop_keeps_a_frontier_before_its_open_turn(make):
     # a new user query closes the turn: its reasoning is dropped, so the next prompt shares only the open-turn prefix
     closed, _ = _ids(frontend, tool_history(), tools=TOOLS)
     assert closed[:open_turn] == prompt[:open_turn] and closed[open_turn:prologue] != prompt[open_turn:prologue]
+
+
+def test_a_long_conversation_gets_anchors_at_the_turn_before_each_4096_token_boundary(make):
+    frontend = make("qwen3_6", max_context=65536)
+    pairs: list[Pair] = [system("Keep notes.")]
+    for turn in range(12):
+        pairs += [user(f"Part {turn}: " + "lorem ipsum dolor " * 600), assistant(f"Noted {turn}.")]
+    pairs.append(user("Summarize."))
+    ids, anchors = _anchors(frontend, pairs)
+    text = QWEN.decode(list(ids))
+    turn_starts = [len(QWEN.encode(text[:cut])) for cut in range(1, len(text)) if text.startswith("<|im_start|>", cut)]
+    expected = sorted({max(start for start in turn_starts if start <= boundary)
+                       for boundary in range(4096, len(ids), 4096)})
+    assert len(ids) > 3 * 4096 and list(anchors) == expected
+    # the grid is absolute: one more turn keeps every earlier anchor
+    longer_ids, longer = _anchors(frontend, [*pairs, assistant("Done."), user("And now?")])
+    assert set(anchors) <= set(longer) and longer_ids[: max(anchors)] == ids[: max(anchors)]
+    assert _anchors(frontend, [user("Hi")])[1] == ()
+
+
+def _anchors(frontend: QwenFrontend, pairs: list[Pair]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    request = frontend.prepare(conversation(pairs)[0], GenerationOptions()).request
+    return request.prompt_token_ids, request.anchor_offsets

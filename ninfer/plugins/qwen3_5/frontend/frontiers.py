@@ -7,7 +7,8 @@ response's generation prologue starts (the next request closes that turn with th
 loop after it), and, once a new user query closes the open turn, up to the first assistant opener after the last
 user query (every assistant turn from there loses its reasoning). A checkpoint at each lets every turn reuse its
 history; the engine verifies a hit by exact tokens, so a frontier that does not recur costs only its capture.
-A long leading system turn also gets a frontier of its own, shared by every conversation that starts with it.
+A long leading system turn also gets a frontier of its own, shared by every conversation that starts with it, and
+a long conversation gets a few anchors further back.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ USER_OPEN = "<|im_start|>user\n"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 #: A leading system turn (instructions and tools) this long is worth a checkpoint that other conversations share.
 MIN_SHARED_PREFIX_TOKENS = 256
+#: Long anchors stand at the last turn opening before each multiple of this many tokens.
+ANCHOR_STEP = 4096
 
 
 def response_prologue_cut(text: str) -> int | None:
@@ -59,6 +62,27 @@ def shared_prefix_frontier(text: str, starts: Sequence[int]) -> int | None:
     cut = system_run_cut(text)
     frontier = None if cut is None else token_frontier(starts, cut)
     return frontier if frontier is not None and MIN_SHARED_PREFIX_TOKENS <= frontier < len(starts) else None
+
+
+def long_anchors(text: str, starts: Sequence[int]) -> tuple[int, ...]:
+    """Recovery points of a long conversation: for every multiple of ANCHOR_STEP tokens, the last turn opening at
+    or before it. The grid is absolute, so the anchors a growing conversation passes stay the same turn after
+    turn: prefill captures each once, when it first computes through it, and a history edited or truncated far
+    from its end falls back to the nearest retained anchor before the edit rather than to root (the engine keeps
+    the most recent few per conversation)."""
+    turn_starts = []
+    cut = text.find(TURN_OPEN, 1)
+    while cut > 0:
+        frontier = token_frontier(starts, cut)
+        if frontier is not None:
+            turn_starts.append(frontier)
+        cut = text.find(TURN_OPEN, cut + 1)
+    anchors = set()
+    for boundary in range(ANCHOR_STEP, len(starts), ANCHOR_STEP):
+        index = bisect.bisect_right(turn_starts, boundary) - 1
+        if index >= 0:
+            anchors.add(turn_starts[index])
+    return tuple(sorted(anchors))
 
 
 def token_frontier(starts: Sequence[int], cut: int) -> int | None:

@@ -27,7 +27,7 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     QwenOutputDecoder,
     thinking_budget_control_text,
 )
-from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, shared_prefix_frontier
+from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, long_anchors, shared_prefix_frontier
 from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
 
@@ -197,6 +197,7 @@ class QwenFrontend:
                 *filter(None, (shared_prefix_frontier(text, starts),)),
             ),
             continuation_offsets=continuation_frontiers(text, starts),
+            anchor_offsets=long_anchors(text, starts),
         )
         return PreparedRequest(
             request=request,
