@@ -185,7 +185,8 @@ class GenerationRequest:
     checkpoint (explicit cache breakpoints); ``continuation_offsets`` are the same for the frontiers where the
     conversation's next request stops sharing this prompt (before the response's prologue, before the open turn);
     ``anchor_offsets`` are long-context recovery points further back.
-    Frontiers outside the computed part of the prompt, or at its end, are ignored. ``session`` marks the request as part of an engine-local reuse session (see :class:`SessionKey`).
+    Frontiers outside the computed part of the prompt, or at its end, are ignored. ``session`` marks the request
+    as part of an engine-local reuse session (see :class:`SessionKey`).
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)

@@ -13,7 +13,7 @@ slot (:meth:`HostCache.restore`); the host copy stays valid and remains in the t
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import attrs
 import torch
@@ -24,6 +24,15 @@ from ninfer.engine.prefix_cache import eviction_victim, longest_prefix
 from ninfer.core.runtime import KVCache, StateCache
 
 MIB = 1 << 20
+
+
+C = TypeVar("C")
+
+
+def _difference(later: C, earlier: C) -> C:
+    """Field-wise ``later - earlier`` of two cumulative counter records: one interval's deltas."""
+    fields = attrs.fields(type(later))
+    return type(later)(*(getattr(later, field.name) - getattr(earlier, field.name) for field in fields))
 
 
 @attrs.frozen
@@ -39,9 +48,7 @@ class HostTierCounters:
     bytes_to_device: int = 0
 
     def minus(self, earlier: "HostTierCounters") -> "HostTierCounters":
-        return HostTierCounters(
-            *(getattr(self, field.name) - getattr(earlier, field.name) for field in attrs.fields(HostTierCounters))
-        )
+        return _difference(self, earlier)
 
 
 @attrs.frozen
@@ -62,9 +69,7 @@ class SelectionCounters:
     long_anchors_dropped: int = 0
 
     def minus(self, earlier: "SelectionCounters") -> "SelectionCounters":
-        return SelectionCounters(
-            *(getattr(self, field.name) - getattr(earlier, field.name) for field in attrs.fields(SelectionCounters))
-        )
+        return _difference(self, earlier)
 
     def add(self, **deltas: int) -> "SelectionCounters":
         return attrs.evolve(self, **{name: getattr(self, name) + value for name, value in deltas.items()})

@@ -10,7 +10,7 @@ from ninfer.server.routes import mount_health, mount_models
 
 
 def _mount_openai_chat(app: Any, context: Any) -> None:
-    from ninfer.protocols.openai_chat.adapter import mount_openai_chat  # imported lazily: it pulls in the engine (torch)
+    from ninfer.protocols.openai_chat.adapter import mount_openai_chat  # lazily: it pulls in the engine (torch)
 
     mount_openai_chat(app, context)
 

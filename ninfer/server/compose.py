@@ -73,7 +73,8 @@ def load_engine(
     speculative: SpeculativeConfig | None = None,
 ) -> LoadedModel:
     """Open ``source`` (a .ninfer file, a Hugging Face directory or an opened artifact), load it and start an
-    Engine with ``registries`` (default: the process's); ``speculative`` selects a speculative backend (``--spec``) and its draft window. An artifact opened
+    Engine with ``registries`` (default: the process's); ``speculative`` selects a speculative backend (``--spec``)
+    and its draft window. An artifact opened
     here is closed at once when loading fails; :meth:`LoadedModel.close` closes the artifact either way."""
     registries = given_or_process(registries)
     opened_here = isinstance(source, (str, os.PathLike))

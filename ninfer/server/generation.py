@@ -20,7 +20,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import attrs
 
 from ninfer.core.conversation import Conversation, GenerationOptions
-from ninfer.engine import AdmittedEvent, FinishEvent, GenerationOutcome, ProgressEvent, RequestHandle, RequestTimings, TokensEvent
+from ninfer.engine import (
+    AdmittedEvent,
+    FinishEvent,
+    GenerationOutcome,
+    ProgressEvent,
+    RequestHandle,
+    RequestTimings,
+    TokensEvent,
+)
 from ninfer.core.request import SessionKey
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.frontend import (

@@ -144,7 +144,9 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
             artifact,
             EngineConfig.from_serve_config(config),
             registries=registries,
-            load_options=LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph),
+            load_options=LoadOptions(
+                device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph
+            ),
             speculative=speculative_config(config),
         )
         engine, runtime = loaded.engine, loaded.runtime

@@ -176,7 +176,8 @@ def anthropic_turns(server: LiveServer, *, thinking: bool) -> list[tuple[int, in
             model=ECHO_MODEL, max_tokens=2048, messages=messages,
             thinking={"type": "enabled", "budget_tokens": 1024} if thinking else {"type": "disabled"},
         )
-        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]})
+        content = [block.model_dump(exclude_none=True) for block in reply.content]
+        messages.append({"role": "assistant", "content": content})
         usage = reply.usage
         turns.append((usage.input_tokens + usage.cache_read_input_tokens, usage.cache_read_input_tokens))
     return turns
