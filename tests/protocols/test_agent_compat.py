@@ -97,11 +97,13 @@ def test_encrypted_reasoning_is_returned_and_round_trips(echo):
                                                                           "text": REASONING}]}, *replay[2:]]
     hf = [{"role": "user", "content": fence(SCRIPT)},
           {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}, {"role": "user", "content": "Next?"}]
-    preserved = official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)
-    assert count(echo, input=replay, preserve_thinking=True) == count(echo, input=raw, preserve_thinking=True)
-    assert count(echo, input=replay, preserve_thinking=True) == preserved
+    counted = count(echo, input=replay, preserve_thinking=True)
+    assert counted == count(echo, input=raw, preserve_thinking=True)
     second = client.responses.create(model=ECHO_MODEL, input=replay, store=False,
                                      include=["reasoning.encrypted_content"], extra_body={"preserve_thinking": True})
+    assert second.status == "completed" and second.usage.input_tokens == counted
+    preserved = official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)
+    assert counted == preserved
     assert second.status == "completed" and second.usage.input_tokens == preserved
 
 
@@ -142,12 +144,12 @@ def test_hosted_tools_are_left_out_and_reported(servers, echo):
     assert response["ignored_tools"] == ["web_search", "file_search"]
     assert response["output"][-1]["type"] == "function_call" and response["output"][-1]["name"] == "get_weather"
     hf = [{"role": "user", "content": user}]
-    assert response["usage"]["input_tokens"] == official_prompt_tokens("qwen3_6", hf, [chat_tool(WEATHER)])
     post(echo, "/v1/responses", body)
     warnings = [line for line in echo.log().splitlines() if "'web_search' is hosted by OpenAI" in line]
     assert len(warnings) == 1 and " WARNING " in warnings[0]
     strict = servers["strict"]
     assert error_of(post(strict, "/v1/responses", body)) == (400, "tools[1].type", "unsupported_parameter")
+    assert response["usage"]["input_tokens"] == official_prompt_tokens("qwen3_6", hf, [chat_tool(WEATHER)])
 
 
 def test_request_log_records_the_ignored_tools(servers):
@@ -173,8 +175,6 @@ def test_custom_tool_call_aggregate_and_replay(echo):
     client = echo.client(api_key=API_KEY)
     user = fence(f"Patch it.\n</think>\n\n{PATCH_CALL}", "Applied.\n</think>\n\nDone.")
     first = client.responses.create(model=ECHO_MODEL, input=user, tools=[APPLY_PATCH, WEATHER])
-    assert first.usage.input_tokens == official_prompt_tokens("qwen3_6", [{"role": "user", "content": user}],
-                                                              [custom_as_function(), chat_tool(WEATHER)])
     _, call = first.output
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.input == PATCH
     assert call.call_id.startswith("call_") and call.id.startswith("ctc_")
@@ -188,9 +188,13 @@ def test_custom_tool_call_aggregate_and_replay(echo):
           {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "apply_patch",
                                                                             "arguments": {"input": PATCH}}}]},
           {"role": "tool", "content": "Success."}]
-    expected = official_prompt_tokens("qwen3_6", hf, [custom_as_function(), chat_tool(WEATHER)])
-    assert count(echo, input=replay, tools=[APPLY_PATCH, WEATHER]) == expected
+    counted = count(echo, input=replay, tools=[APPLY_PATCH, WEATHER])
     replayed = client.responses.create(model=ECHO_MODEL, input=replay, tools=[APPLY_PATCH, WEATHER])
+    assert replayed.output_text == "Done." and replayed.usage.input_tokens == counted
+    assert first.usage.input_tokens == official_prompt_tokens("qwen3_6", [{"role": "user", "content": user}],
+                                                              [custom_as_function(), chat_tool(WEATHER)])
+    expected = official_prompt_tokens("qwen3_6", hf, [custom_as_function(), chat_tool(WEATHER)])
+    assert counted == expected
     assert replayed.output_text == "Done." and replayed.usage.input_tokens == expected
 
 
@@ -218,17 +222,18 @@ def test_anthropic_effort_maps_onto_the_template(servers, echo):
         client = anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0)
         return client.messages.count_tokens(model="claude-sonnet-4-5", messages=messages, **fields).input_tokens
 
-    for effort in ("high", "max"):
-        assert tokens(tiered, output_config={"effort": effort}) == official_prompt_tokens(
-            "qwen3_8", messages, reasoning_effort="xhigh")
-    assert tokens(tiered, output_config={"effort": "low"}) == official_prompt_tokens("qwen3_8", messages,
-                                                                                      reasoning_effort="low")
-    assert tokens(tiered, output_config={"effort": "high"}, thinking={"type": "disabled"}) == official_prompt_tokens(
-        "qwen3_8", messages, enable_thinking=False)
-    assert tokens(echo, output_config={"effort": "high"}) == official_prompt_tokens("qwen3_6", messages)
+    mapped = {effort: tokens(tiered, output_config={"effort": effort}) for effort in ("high", "max")}
+    low = tokens(tiered, output_config={"effort": "low"})
+    disabled = tokens(tiered, output_config={"effort": "high"}, thinking={"type": "disabled"})
+    untiered = tokens(echo, output_config={"effort": "high"})
     strict = anthropic.Anthropic(base_url=servers["strict"].base_url, api_key=API_KEY, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="not supported by the loaded chat template"):
         strict.messages.create(model="m", max_tokens=16, messages=messages, output_config={"effort": "high"})
+    for effort in ("high", "max"):
+        assert mapped[effort] == official_prompt_tokens("qwen3_8", messages, reasoning_effort="xhigh")
+    assert low == official_prompt_tokens("qwen3_8", messages, reasoning_effort="low")
+    assert disabled == official_prompt_tokens("qwen3_8", messages, enable_thinking=False)
+    assert untiered == official_prompt_tokens("qwen3_6", messages)
 
 
 def test_request_start_records_requested_and_resolved_effort(servers):
@@ -296,11 +301,12 @@ def test_omitted_thinking_is_restored_from_its_signature(echo):
           {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}, {"role": "user", "content": "Next?"}]
     counted = [client.messages.count_tokens(model="m", messages=messages, extra_body={"preserve_thinking": True})
                .input_tokens for messages in (history, visible)]
-    assert counted == [official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)] * 2
+    assert counted[0] == counted[1]
     forged = [user, {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "forged"},
                                                       {"type": "text", "text": ANSWER}]}, history[2]]
     with pytest.raises(anthropic.BadRequestError, match=r"messages\.1\.0\.signature"):
         client.messages.count_tokens(model="m", messages=forged)
+    assert counted == [official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)] * 2
 
 
 def test_deferred_tools_are_not_shown_to_the_model(echo):

@@ -109,8 +109,6 @@ def test_thinking_text_and_tool_use_round_trip_with_a_tool_result_turn(echo):
     assert (call.type, call.name, call.input) == ("tool_use", "get_weather", {"city": "Paris"})
     assert call.id.startswith("toolu_") and (first.stop_reason, first.stop_sequence) == ("tool_use", None)
     hf_first = [{"role": "system", "content": system}, {"role": "user", "content": ROUND_TRIP}]
-    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == official_prompt_tokens(
-        "qwen3_8", hf_first, [HF_WEATHER], **THINKING_ON)
     assert first.usage.output_tokens == len(QWEN.encode(FIRST)) + 1  # the <|im_end|> stop token counts
     assert first.usage.output_tokens_details.thinking_tokens == len(QWEN.encode("Need weather.\n")) + 1
 
@@ -126,12 +124,15 @@ def test_thinking_text_and_tool_use_round_trip_with_a_tool_result_turn(echo):
                  {"role": "assistant", "content": text.text, "reasoning_content": "Need weather.",
                   "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                  {"role": "tool", "content": "sunny, 24 C"}]
-    prompt = official_prompt_tokens("qwen3_8", hf_replay, [HF_WEATHER], **THINKING_ON)
     usage = second.usage
-    assert usage.input_tokens + usage.cache_read_input_tokens == prompt
     assert usage.cache_read_input_tokens >= first.usage.input_tokens  # the first turn's checkpoint was reused
     assert usage.cache_creation_input_tokens is None  # unknown, not invented
     counted = count(echo, system=system, tools=[WEATHER], thinking={"type": "adaptive"}, messages=replay)
+    assert counted == usage.input_tokens + usage.cache_read_input_tokens
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == official_prompt_tokens(
+        "qwen3_8", hf_first, [HF_WEATHER], **THINKING_ON)
+    prompt = official_prompt_tokens("qwen3_8", hf_replay, [HF_WEATHER], **THINKING_ON)
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt
     assert counted == prompt
 
 
@@ -193,10 +194,12 @@ def test_assistant_prefill_is_continued_not_reopened(echo):
     reply = client(echo).messages.create(model="local", max_tokens=50, thinking=OFF, messages=messages)
     assert [block.text for block in reply.content] == [" forty two."] and reply.stop_reason == "end_turn"
     # the prompt is the official rendering with the final turn closed, minus that closing and the next turn's opening
+    counted = count(echo, thinking=OFF, messages=messages)
+    assert counted == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     closed = official_prompt_tokens("qwen3_8", messages, **THINKING_OFF)
     reopened = len(QWEN.encode("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"))
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == closed - reopened
-    assert count(echo, thinking=OFF, messages=messages) == closed - reopened
+    assert counted == closed - reopened
 
 
 def test_stop_sequence_max_tokens_and_context_window(echo):
@@ -232,11 +235,8 @@ def test_thinking_modes_effort_and_budget(echo):
         "disabled": count(echo, messages=messages, thinking=OFF),
         "low": count(echo, messages=messages, output_config={"effort": "low"}),
     }
-    on = official_prompt_tokens("qwen3_8", messages, **THINKING_ON)
-    assert counts["default"] == counts["adaptive"] == counts["enabled"] == on
-    assert counts["disabled"] == official_prompt_tokens("qwen3_8", messages, **THINKING_OFF)
-    assert counts["low"] == official_prompt_tokens("qwen3_8", messages, reasoning_effort="low", **THINKING_ON)
-    assert counts["low"] != on
+    assert counts["default"] == counts["adaptive"] == counts["enabled"]
+    assert counts["low"] != counts["default"]
     budgeted = client(echo).messages.create(model="local", max_tokens=2000, messages=messages,
                                             thinking={"type": "enabled", "budget_tokens": 1024})
     assert [block.type for block in budgeted.content] == ["thinking", "text"] and budgeted.content[1].text == "Done."
@@ -246,9 +246,15 @@ def test_thinking_modes_effort_and_budget(echo):
                  {"role": "user", "content": "Q2"}]
     hf = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
           {"role": "user", "content": "Q2"}]
-    assert count(echo, messages=preserved, extra_body={"preserve_thinking": True}) == official_prompt_tokens(
-        "qwen3_8", hf, enable_thinking=True, preserve_thinking=True)
-    assert count(echo, messages=preserved) == official_prompt_tokens("qwen3_8", hf, **THINKING_ON)
+    preserving = count(echo, messages=preserved, extra_body={"preserve_thinking": True})
+    dropping = count(echo, messages=preserved)
+    on = official_prompt_tokens("qwen3_8", messages, **THINKING_ON)
+    assert counts["default"] == counts["adaptive"] == counts["enabled"] == on
+    assert counts["disabled"] == official_prompt_tokens("qwen3_8", messages, **THINKING_OFF)
+    assert counts["low"] == official_prompt_tokens("qwen3_8", messages, reasoning_effort="low", **THINKING_ON)
+    assert counts["low"] != on
+    assert preserving == official_prompt_tokens("qwen3_8", hf, enable_thinking=True, preserve_thinking=True)
+    assert dropping == official_prompt_tokens("qwen3_8", hf, **THINKING_ON)
 
 
 # -- history lowering and count_tokens ---------------------------------------------------------------------------
@@ -270,12 +276,16 @@ def test_tool_results_are_normalized_to_call_order_and_errors_are_marked(echo):
               {"function": {"name": "get_time", "arguments": {"zone": "CET"}}}]},
           {"role": "tool", "content": "Error:\nboom"}, {"role": "tool", "content": "noon"},
           {"role": "user", "content": "Thanks."}]
-    expected = official_prompt_tokens("qwen3_8", hf, [HF_WEATHER, HF_TIME], **THINKING_OFF)
-    for results in ([result_a, result_b], [result_b, result_a]):
-        assert count(echo, thinking=OFF, tools=[WEATHER, TIME], messages=history(results)) == expected
+    orders = [count(echo, thinking=OFF, tools=[WEATHER, TIME], messages=history(results))
+              for results in ([result_a, result_b], [result_b, result_a])]
+    assert orders[0] == orders[1]
     # a history that begins with results (truncated or imported) is valid
     imported = [{"role": "user", "content": [result_b, {"type": "text", "text": "Go on."}]}]
-    assert count(echo, thinking=OFF, messages=imported) == official_prompt_tokens(
+    imported_count = count(echo, thinking=OFF, messages=imported)
+    expected = official_prompt_tokens("qwen3_8", hf, [HF_WEATHER, HF_TIME], **THINKING_OFF)
+    for counted in orders:
+        assert counted == expected
+    assert imported_count == official_prompt_tokens(
         "qwen3_8", [{"role": "tool", "content": "noon"}, {"role": "user", "content": "Go on."}], **THINKING_OFF)
 
 
@@ -305,8 +315,6 @@ def test_billing_header_block_is_consumed_before_counting_and_caching(echo):
     messages = [{"role": "user", "content": fence("ok")}]
     plain = count(echo, system=system(None), messages=messages)
     assert count(echo, system=system("a1"), messages=messages) == plain
-    assert plain == official_prompt_tokens("qwen3_8", [{"role": "system", "content": "You are a coding agent."},
-                                                        *messages], **THINKING_ON)
     # positional: a string system, or the same text in a later block, stays prompt content
     header = "x-anthropic-billing-header: cch=zz;"
     assert count(echo, system=header + "You are a coding agent.", messages=messages) > plain
@@ -318,24 +326,27 @@ def test_billing_header_block_is_consumed_before_counting_and_caching(echo):
     assert first.usage.input_tokens + first.usage.cache_read_input_tokens == plain
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == plain
     assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.cache_read_input_tokens - 1
+    assert plain == official_prompt_tokens("qwen3_8", [{"role": "system", "content": "You are a coding agent."},
+                                                        *messages], **THINKING_ON)
 
 
 def test_system_cache_breakpoint_is_reused_by_a_different_conversation(echo):
     # Claude Code's pattern: a long system prompt marked with cache_control, then conversations that differ after it.
     system = [{"type": "text", "text": "You are a careful agent. " + words(60), "cache_control": {"type": "ephemeral"}}]
-    system_turn = official_prompt_tokens("qwen3_8", [{"role": "system", "content": system[0]["text"]},
-                                                     {"role": "user", "content": "x"}], **THINKING_ON)
     sdk = client(echo)
     sdk.messages.create(model="local", max_tokens=8, system=system, messages=[{"role": "user", "content": fence("a")}])
     other = sdk.messages.create(model="local", max_tokens=8, system=system,
                                 messages=[{"role": "user", "content": fence("a different question")}])
     # everything up to the end of the system turn came from the breakpoint checkpoint of the first request
-    assert 60 < other.usage.cache_read_input_tokens < system_turn
+    assert 60 < other.usage.cache_read_input_tokens
     unmarked = [{"type": "text", "text": "You are a different agent. " + words(60)}]
     sdk.messages.create(model="local", max_tokens=8, system=unmarked, messages=[{"role": "user", "content": fence("a")}])
     again = sdk.messages.create(model="local", max_tokens=8, system=unmarked,
                                 messages=[{"role": "user", "content": fence("another")}])
     assert again.usage.cache_read_input_tokens == 0  # without a marker there is no frontier to resume from
+    system_turn = official_prompt_tokens("qwen3_8", [{"role": "system", "content": system[0]["text"]},
+                                                     {"role": "user", "content": "x"}], **THINKING_ON)
+    assert 60 < other.usage.cache_read_input_tokens < system_turn
 
 
 def test_marked_tool_definitions_are_reused_across_conversations(echo):
@@ -469,14 +480,14 @@ def test_clear_thinking_applies_under_preserve_thinking_and_is_reported_without_
     preserved = beta.count_tokens(model="local", messages=history, context_management=keep_one, betas=BETAS,
                                   extra_body={"preserve_thinking": True})
     without_r1 = [hf[0], {"role": "assistant", "content": "A1"}, *hf[2:]]
-    assert preserved.input_tokens == official_prompt_tokens("qwen3_8", without_r1, enable_thinking=True,
-                                                            preserve_thinking=True)
-    assert preserved.context_management.original_input_tokens == official_prompt_tokens(
-        "qwen3_8", hf, enable_thinking=True, preserve_thinking=True)
     # without preserve_thinking the template drops closed-turn reasoning itself: the turn is cleared, 0 tokens saved
     reply = beta.create(model="local", max_tokens=8, messages=history, context_management=keep_one, betas=BETAS)
     assert [edit.to_dict() for edit in reply.context_management.applied_edits] == [
         {"type": "clear_thinking_20251015", "cleared_thinking_turns": 1, "cleared_input_tokens": 0}]
+    assert preserved.input_tokens == official_prompt_tokens("qwen3_8", without_r1, enable_thinking=True,
+                                                            preserve_thinking=True)
+    assert preserved.context_management.original_input_tokens == official_prompt_tokens(
+        "qwen3_8", hf, enable_thinking=True, preserve_thinking=True)
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == official_prompt_tokens(
         "qwen3_8", hf, **THINKING_ON)
 
@@ -682,5 +693,7 @@ def test_random_weight_qwen_streams_exactly_what_it_returns(servers):
     assert [{k: v for k, v in b.to_dict().items() if k not in strip} for b in final.content] == [
         {k: v for k, v in b.to_dict().items() if k not in strip} for b in aggregate.content]
     assert final.usage.output_tokens == aggregate.usage.output_tokens <= 12
+    counted = count(qwen, messages=body["messages"], tools=[WEATHER])
+    assert aggregate.usage.input_tokens + aggregate.usage.cache_read_input_tokens == counted
     assert aggregate.usage.input_tokens + aggregate.usage.cache_read_input_tokens == official_prompt_tokens(
-        "qwen3_6", body["messages"], [HF_WEATHER]) == count(qwen, messages=body["messages"], tools=[WEATHER])
+        "qwen3_6", body["messages"], [HF_WEATHER]) == counted
