@@ -155,6 +155,9 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
                 f"recurrent layers on {runtime.spec.device}"
             )
+            if config.context_cost_presets is not None:
+                log.warning("context cache: cost-based checkpoint selection is not available yet (the longest exact "
+                            "match is taken); --context-cost-presets has no effect")
             frontend = family.require("build_frontend")(artifact, config, loaded.tokenizer)
             context = ServerContext(
                 config=config,

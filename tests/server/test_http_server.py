@@ -300,3 +300,16 @@ def test_startup_warns_about_nothing_the_user_did_not_set(secured, plain):
         startup = server.log().split(" INFO ready: serving ")[0]
         assert " INFO loading " in startup
         assert " WARNING " not in startup, startup
+
+
+def test_an_option_without_effect_yet_warns_when_set(echo_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
+    presets = tmp_path_factory.mktemp("presets") / "presets.json"
+    presets.write_text("{}", encoding="utf-8")
+    [server] = start_servers(tmp_path_factory.mktemp("presets-server"),
+                             [(echo_artifact, ["--context-cost-presets", str(presets)], {})], [ECHO_MODEL])
+    try:
+        startup = server.log().split(" INFO ready: serving ")[0]
+        assert " WARNING context cache: cost-based checkpoint selection is not available yet" in startup
+        assert "--context-cost-presets has no effect" in startup
+    finally:
+        server.stop()
