@@ -28,14 +28,13 @@ from typing import Any
 import torch
 
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
+from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner, DecodeInputs
+from ninfer.plugins.qwen3_5.cuda.verify_graph import VerifyGraphRunner
 from ninfer.plugins.qwen3_5.model.config import FULL_ATTENTION, LINEAR_ATTENTION
-from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeGraphRunner
 from ninfer.plugins.qwen3_5.model.fused import fuse_model
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.model.synthetic import InMemorySource, build_runtime, random_text_weights
-from ninfer.plugins.qwen3_5.cuda.decode_graph import DecodeInputs
-from ninfer.plugins.qwen3_5.cuda.verify_graph import VerifyGraphRunner
 
 PAGE_SIZE = 16
 CONTEXTS = (77, 200)

@@ -31,8 +31,15 @@ from pathlib import Path
 
 import torch
 
-from ninfer.bench.synthetic import Clock, Rows, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth
-from ninfer.bench.synthetic import profile_prefill, step_bytes
+from ninfer.bench.synthetic import (
+    Clock,
+    Rows,
+    bench_ninfer_decode,
+    bench_ninfer_prefill,
+    copy_bandwidth,
+    profile_prefill,
+    step_bytes,
+)
 from ninfer.core.runtime import ForwardBatch
 from ninfer.plugins.qwen3_5.model.synthetic import random_runtime
 

@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 
 from ninfer.bench.synthetic import (
-    Clock, bench_ninfer_decode, bench_ninfer_prefill, copy_bandwidth, profile_prefill, step_bytes,
+    Clock,
+    bench_ninfer_decode,
+    bench_ninfer_prefill,
+    copy_bandwidth,
+    profile_prefill,
+    step_bytes,
 )
 from ninfer.plugins.qwen3_5.model.synthetic import random_runtime
 

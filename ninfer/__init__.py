@@ -4,7 +4,8 @@
 ``import ninfer`` stays light.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 from typing import Any
 
 try:

@@ -13,14 +13,12 @@ from typing import Any, Sequence
 
 import attrs
 
-from ninfer.core.request import GenerationRequest, SamplingParams
-
+from ninfer.core.drafting import SpeculativeConfig
+from ninfer.core.errors import InvalidRequestError
+from ninfer.core.request import SAMPLER_FIELDS, GenerationRequest, SamplingParams
+from ninfer.core.runtime import LoadOptions
 from ninfer.engine import EngineConfig, RequestHandle, RequestTimings, StopMatch, Usage
 from ninfer.server.compose import LoadedModel, load_engine
-from ninfer.core.drafting import SpeculativeConfig
-from ninfer.core.request import SAMPLER_FIELDS
-from ninfer.core.errors import InvalidRequestError
-from ninfer.core.runtime import LoadOptions
 
 Prompt = str | Sequence[int]
 

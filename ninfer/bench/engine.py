@@ -180,10 +180,10 @@ def bench_command(
         return
     if artifact is None:
         raise click.UsageError("give an ARTIFACT or --synthetic NAME")
-    from ninfer.engine import EngineConfig
-    from ninfer.server.compose import load_engine
     from ninfer.core.runtime import LoadOptions
+    from ninfer.engine import EngineConfig
     from ninfer.llm import _default_device
+    from ninfer.server.compose import load_engine
 
     device = device or _default_device()
     tokens_per_request = prompt_len + output_len

@@ -27,7 +27,9 @@ from __future__ import annotations
 import json as json_module
 import statistics
 import time
-from typing import Any, Callable, Literal, Mapping, Sequence as Seq, Union
+from typing import Any, Callable, Literal, Mapping
+from typing import Sequence as Seq
+from typing import Union
 
 import attrs
 import torch
@@ -35,9 +37,8 @@ import torch
 from ninfer.bench.synthetic import Clock, bench_ninfer_decode
 from ninfer.core.drafting import Drafter, DraftRow
 from ninfer.core.errors import ConfigError
-from ninfer.engine import RoundHarness
 from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, ModelRuntime, StateCache
-from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
+from ninfer.engine import RoundHarness
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.model.synthetic import (
@@ -46,6 +47,7 @@ from ninfer.plugins.qwen3_5.model.synthetic import (
     random_mtp_weights,
     random_text_weights,
 )
+from ninfer.plugins.qwen3_5.speculative.mtp_drafter import MTPDrafter
 
 SPEC_BACKENDS = ("mtp",)
 Acceptance = Literal["zero", "full"]

@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ninfer.engine import greedy_token_ids
-from ninfer.kernels.transfer import HostCopy
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache, StateCache
+from ninfer.engine import greedy_token_ids
+from ninfer.kernels.transfer import HostCopy
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.model.layers import DecoderLayerWeights, GatedDeltaNetWeights
 from ninfer.plugins.qwen3_5.model.presets import preset_config

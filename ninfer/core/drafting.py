@@ -7,7 +7,8 @@ row through :class:`DraftRow`, never the engine's internal sequence type.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Protocol
+from typing import Sequence as Seq
 
 import attrs
 import torch

@@ -16,7 +16,6 @@ from ninfer.core.artifact.container import TOKENIZER_RESOURCE, ModelSource
 from ninfer.core.errors import ArtifactError, InvalidRequestError
 
 
-
 def byte_level_alphabet() -> list[str]:
     """The GPT-2 byte -> printable unicode character table that byte-level BPE vocabularies are spelled in.
 

@@ -7,13 +7,13 @@ asynchronous transfer; its eager path moves them once).
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 
-from ninfer.engine.sequence import Sequence
 from ninfer.core.runtime import ForwardBatch, page_table, text_positions
-
+from ninfer.engine.sequence import Sequence
 
 
 def build_batch(rows: Seq[Sequence], feeds: Seq[Seq[int]], logits: str, **flags: Any) -> ForwardBatch:

@@ -10,8 +10,8 @@ from typing import Sequence as Seq
 
 import attrs
 
-from ninfer.engine.host_work import HostWorkClock, HostPhase, WorkClass
 from ninfer.engine.events import FinishReason, StopMatch, TokensEvent
+from ninfer.engine.host_work import HostPhase, HostWorkClock, WorkClass
 from ninfer.engine.sequence import Sequence
 
 

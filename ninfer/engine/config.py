@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import attrs
 
-from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
 from ninfer.core.errors import ConfigError
+from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.config import ServeConfig

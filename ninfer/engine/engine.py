@@ -8,6 +8,10 @@ from typing import Any, Iterable, Mapping
 import attrs
 
 from ninfer.core.descriptors import SamplingPreset
+from ninfer.core.drafting import Drafter
+from ninfer.core.errors import CapacityError, InvalidRequestError
+from ninfer.core.request import GenerationRequest, SamplingParams
+from ninfer.core.runtime import ModelRuntime
 from ninfer.engine.admission import AdmissionController, AdmissionTicket
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.executor import Executor
@@ -15,16 +19,11 @@ from ninfer.engine.handle import RequestHandle
 from ninfer.engine.host_work import HostWorkTotals
 from ninfer.engine.memory import EngineMemory, MemoryStats
 from ninfer.engine.pages import pages_for
-from ninfer.core.request import GenerationRequest, SamplingParams
 from ninfer.engine.sampler import RowSampler, fresh_seed
 from ninfer.engine.sequence import Sequence
-from ninfer.core.drafting import Drafter
 from ninfer.engine.speculative import drafter_memory
-from ninfer.engine.timings import SpeculativeCounters
 from ninfer.engine.stops import OutputText
-from ninfer.core.errors import CapacityError, InvalidRequestError
-from ninfer.core.runtime import ModelRuntime
-
+from ninfer.engine.timings import SpeculativeCounters
 
 
 @attrs.frozen

@@ -22,20 +22,20 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ninfer.core.drafting import Drafter
+from ninfer.core.errors import EngineUnavailableError, NinferError
+from ninfer.core.runtime import ModelRuntime
 from ninfer.engine.batching import build_ahead_batch, build_batch
 from ninfer.engine.commit import Finish, commit_timed
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.host_work import Detail, HostWorkClock, HostWorkTotals, HostPhase, RequestHostWork, WorkClass
-from ninfer.engine.memory import EngineMemory
 from ninfer.engine.events import AdmittedEvent, ProgressEvent
+from ninfer.engine.host_work import Detail, HostPhase, HostWorkClock, HostWorkTotals, RequestHostWork, WorkClass
+from ninfer.engine.memory import EngineMemory
 from ninfer.engine.sampler import plain_greedy, sample_token_ids, sample_tokens
 from ninfer.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.engine.sequence import Sequence
-from ninfer.core.drafting import Drafter
 from ninfer.engine.speculative import SpeculativeRound, capture_layers, observed_features
 from ninfer.kernels.transfer import HostCopy, to_device
-from ninfer.core.errors import EngineUnavailableError, NinferError
-from ninfer.core.runtime import ModelRuntime
 
 log = logging.getLogger("ninfer.engine")
 

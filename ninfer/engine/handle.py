@@ -14,9 +14,9 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable, Iterator
 
-from ninfer.engine.admission import AdmissionTicket
-from ninfer.engine.events import FinishEvent, GenerationOutcome, EngineEvent
 from ninfer.core.errors import NinferError
+from ninfer.engine.admission import AdmissionTicket
+from ninfer.engine.events import EngineEvent, FinishEvent, GenerationOutcome
 
 
 class _Failure:

@@ -19,9 +19,9 @@ import attrs
 import torch
 
 from ninfer.core.request import ReusePath
+from ninfer.core.runtime import KVCache, StateCache
 from ninfer.engine.pages import pages_for
 from ninfer.engine.prefix_cache import eviction_victim, longest_prefix
-from ninfer.core.runtime import KVCache, StateCache
 
 MIB = 1 << 20
 

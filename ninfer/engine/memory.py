@@ -25,15 +25,15 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ninfer.core.errors import ConfigError
+from ninfer.core.request import ReusePath
+from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
+from ninfer.engine.events import ReuseLimit
 from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
-from ninfer.engine.events import ReuseLimit
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix
 from ninfer.engine.sequence import Sequence
-from ninfer.core.request import ReusePath
-from ninfer.core.errors import ConfigError
-from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 
 SHARED: ReusePath = "shared_stable_prefix"
 ANCHOR: ReusePath = "private_long_anchor"

@@ -26,10 +26,9 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 import attrs
 import torch
 
-from ninfer.engine.pages import PagePool, SlotPool, pages_for
 from ninfer.core.request import ReusePath
 from ninfer.core.runtime import StateCache
-
+from ninfer.engine.pages import PagePool, SlotPool, pages_for
 
 R = TypeVar("R", bound="Retained")
 

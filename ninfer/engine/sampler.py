@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ninfer.kernels.transfer import to_device
 from ninfer.core.request import INT64_MIN, SamplingParams
 from ninfer.kernels.reference import sampling
+from ninfer.kernels.transfer import to_device
 from ninfer.kernels.triton import triton_available
 
 _UINT64_MASK = 2**64 - 1

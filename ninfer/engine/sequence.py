@@ -7,11 +7,11 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from ninfer.core.request import GenerationRequest, ReusePath
 from ninfer.engine.admission import AdmissionTicket
+from ninfer.engine.events import FinishReason, GenerationOutcome, ReuseLimit, StopMatch
 from ninfer.engine.handle import RequestHandle
 from ninfer.engine.host_work import RequestHostWork
-from ninfer.core.request import GenerationRequest, ReusePath
-from ninfer.engine.events import FinishReason, GenerationOutcome, ReuseLimit, StopMatch
 from ninfer.engine.sampler import RowSampler
 from ninfer.engine.stops import OutputText
 from ninfer.engine.timings import RequestTimings, SpeculativeCounters

@@ -35,21 +35,22 @@ committed token is ``engine_commit_output``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable
+from typing import Sequence as Seq
 
 import attrs
 import torch
 
 from ninfer.core.drafting import Draft, Drafter
+from ninfer.core.runtime import CapturedStates, ForwardOutput, KVCache, ModelRuntime, RuntimeSpec, StateCache
 from ninfer.engine.acceptance import TargetDistribution, decide, sample_target
 from ninfer.engine.batching import build_batch
 from ninfer.engine.commit import Finish, commit_timed
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.host_work import HostWorkClock, HostPhase, WorkClass
+from ninfer.engine.host_work import HostPhase, HostWorkClock, WorkClass
 from ninfer.engine.memory import DrafterMemory, DrafterResume
 from ninfer.engine.sampler import RowSampler, candidate_distribution, penalized_logits
 from ninfer.engine.sequence import Sequence
-from ninfer.core.runtime import CapturedStates, ForwardOutput, KVCache, ModelRuntime, RuntimeSpec, StateCache
 from ninfer.kernels.triton import triton_available
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import attrs
 
-from ninfer.engine import HOST_PHASES as HOST_PHASE_ORDER, PHASE_NAMES, HostExposure
 from ninfer.core.errors import ConfigError, NinferError
+from ninfer.engine import HOST_PHASES as HOST_PHASE_ORDER
+from ninfer.engine import PHASE_NAMES, HostExposure
 
 SCHEMA = "ninfer_serve_request_log"
 SCHEMA_VERSION = 20

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ninfer.core.plugins import Registries
 from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
+from ninfer.core.plugins import Registries
 
 DEMO_OPTIONS = TinyOptions(family="qwen3_5", mtp=True, template="qwen3_6", seed=0)
 

@@ -20,16 +20,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import attrs
 
 from ninfer.core.conversation import Conversation, GenerationOptions
-from ninfer.engine import (
-    AdmittedEvent,
-    FinishEvent,
-    GenerationOutcome,
-    ProgressEvent,
-    RequestHandle,
-    RequestTimings,
-    TokensEvent,
-)
-from ninfer.core.request import SessionKey
 from ninfer.core.errors import EngineUnavailableError, NinferError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -41,9 +31,19 @@ from ninfer.core.frontend import (
     ToolCallFinished,
     ToolCallStarted,
 )
+from ninfer.core.records import RequestRecord
+from ninfer.core.request import SessionKey
+from ninfer.engine import (
+    AdmittedEvent,
+    FinishEvent,
+    GenerationOutcome,
+    ProgressEvent,
+    RequestHandle,
+    RequestTimings,
+    TokensEvent,
+)
 from ninfer.observability import oplog
 from ninfer.observability.request_log import RequestObserver, cache_summary, observability_for
-from ninfer.core.records import RequestRecord
 from ninfer.server.http import wait_for_disconnect, with_keepalive
 
 _ACTIVE_KEY = "generation.active"

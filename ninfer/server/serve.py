@@ -17,6 +17,7 @@ import uvicorn
 from ninfer.core.artifact.source import open_model_source
 from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.errors import ConfigError, NotYetAvailableError
+from ninfer.core.runtime import LoadOptions
 from ninfer.observability import oplog
 from ninfer.observability.request_log import (
     OBSERVABILITY_KEY,
@@ -25,7 +26,6 @@ from ninfer.observability.request_log import (
     server_start_fields,
 )
 from ninfer.observability.throughput import ThroughputCounters, ThroughputReporter
-from ninfer.core.runtime import LoadOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.config import ServeConfig
@@ -123,10 +123,10 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
 
 def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_log: "RequestLogWriter | None") -> None:
     from ninfer.engine import EngineConfig
+    from ninfer.server.app import ServerContext, build_app
     from ninfer.server.compose import load_engine
     from ninfer.server.generation import close_generation_resources
     from ninfer.server.runner import listening_socket, make_server
-    from ninfer.server.app import ServerContext, build_app
 
     registries = plugins.registries
     if config.artifact is None:

@@ -18,8 +18,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ninfer.core.artifact.container import MappedSafetensors, TensorEntry, TensorInfo, write_artifact
-from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
-from ninfer.core.plugins import Registries, given_or_process
 from ninfer.core.artifact.hf_directory import (
     CONFIG_FILE,
     FusedTensor,
@@ -27,6 +25,8 @@ from ninfer.core.artifact.hf_directory import (
     ShardFile,
     open_hf_directory,
 )
+from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
+from ninfer.core.plugins import Registries, given_or_process
 
 #: Tensors a family need not expect that are carried into the artifact as they are.
 CARRIED_PREFIXES = ("model.visual.", "mtp.")

@@ -5,7 +5,12 @@ Every function here depends on torch only, so the kernels can be imported and te
 
 from __future__ import annotations
 
-from ninfer.kernels.reference.attention import paged_attention, paged_slot_mapping, token_rows_and_positions, write_paged_kv
+from ninfer.kernels.reference.attention import (
+    paged_attention,
+    paged_slot_mapping,
+    token_rows_and_positions,
+    write_paged_kv,
+)
 from ninfer.kernels.reference.conv import causal_conv1d
 from ninfer.kernels.reference.gated_delta import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
 from ninfer.kernels.reference.moe import moe_forward, route_tokens, swiglu

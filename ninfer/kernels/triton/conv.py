@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.triton.norm_gemv import after_predecessor, conv_epilogue, conv_windows, launch_options, resolve_pdl
+from ninfer.kernels.triton.norm_gemv import (
+    after_predecessor,
+    conv_epilogue,
+    conv_windows,
+    launch_options,
+    resolve_pdl,
+)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from ninfer.core.frontend import (
 )
 from ninfer.protocols.anthropic.context import EditedConversation, apply_context_management
 from ninfer.protocols.anthropic.request import MessagesRequest, RequestSettings, parse_messages_request
+from ninfer.protocols.reasoning_codec import encode_reasoning
 from ninfer.server.errors import ANTHROPIC, render_ninfer_error
 from ninfer.server.generation import (
     Generation,
@@ -41,7 +42,6 @@ from ninfer.server.generation import (
     respond_with_stream,
 )
 from ninfer.server.http import json_bytes, read_json_object, sse_frame
-from ninfer.protocols.reasoning_codec import encode_reasoning
 
 PROTOCOL = "anthropic_messages"
 Event = tuple[str, dict[str, Any]]  # (SSE event name, JSON payload whose "type" is that name)

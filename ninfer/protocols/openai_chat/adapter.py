@@ -10,6 +10,7 @@ import falcon
 
 from ninfer.core.errors import NinferError
 from ninfer.core.frontend import ContentDelta, OutputEvent, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStarted
+from ninfer.protocols.openai_chat.request import ChatRequest, parse_chat_request
 from ninfer.server.errors import OPENAI, render_ninfer_error
 from ninfer.server.generation import (
     Generation,
@@ -22,7 +23,6 @@ from ninfer.server.generation import (
     respond_with_stream,
 )
 from ninfer.server.http import json_bytes, read_json_object, sse_frame
-from ninfer.protocols.openai_chat.request import ChatRequest, parse_chat_request
 
 PROTOCOL = "openai_chat"
 DONE_FRAME = b"data: [DONE]\n\n"

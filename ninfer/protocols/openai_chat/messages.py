@@ -20,9 +20,9 @@ from ninfer.core.conversation import (
 )
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
-    json_object_string,
     VISION_DISABLED,
     cache_breakpoint,
+    json_object_string,
     malformed,
     optional_bool,
     optional_list,

@@ -16,7 +16,6 @@ import attrs
 
 from ninfer.core.conversation import Conversation, GenerationOptions
 from ninfer.core.errors import InvalidRequestError
-from ninfer.server.routes import ModelNotFoundError
 from ninfer.protocols.fields import (
     INVALID_VALUE,
     malformed,
@@ -34,6 +33,7 @@ from ninfer.protocols.openai_chat.messages import (
     parse_tool_choice,
     parse_tools,
 )
+from ninfer.server.routes import ModelNotFoundError
 
 CONFLICT = "conflicting_template_option"
 MAX_STOP_STRINGS = 4

@@ -25,8 +25,6 @@ from typing import Any, AsyncIterator, Mapping
 
 import falcon
 
-from ninfer.core.request import SessionKey
-from ninfer.observability import oplog
 from ninfer.core.errors import InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import (
     ContentDelta,
@@ -36,6 +34,18 @@ from ninfer.core.frontend import (
     ToolCallFinished,
     ToolCallStarted,
 )
+from ninfer.core.request import SessionKey
+from ninfer.observability import oplog
+from ninfer.protocols.fields import malformed, unsupported
+from ninfer.protocols.openai_responses.request import (
+    ParentContext,
+    ResponsesRequest,
+    parse_include,
+    parse_responses_request,
+)
+from ninfer.protocols.openai_responses.store import ContextSegment, ResponseStore, StoredResponse, items_size
+from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER
+from ninfer.protocols.reasoning_codec import encode_reasoning
 from ninfer.server.generation import (
     Generation,
     GenerationJob,
@@ -46,16 +56,6 @@ from ninfer.server.generation import (
     respond_with_stream,
 )
 from ninfer.server.http import json_bytes, read_json_object, sse_frame
-from ninfer.protocols.fields import malformed, unsupported
-from ninfer.protocols.reasoning_codec import encode_reasoning
-from ninfer.protocols.openai_responses.request import (
-    ParentContext,
-    ResponsesRequest,
-    parse_include,
-    parse_responses_request,
-)
-from ninfer.protocols.openai_responses.store import ContextSegment, ResponseStore, StoredResponse, items_size
-from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER
 
 PROTOCOL = "openai_responses"
 STORE_KEY = "responses.store"

@@ -11,9 +11,9 @@ from typing import Any, Mapping
 
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
-    json_object_string,
     VISION_DISABLED,
     cache_breakpoint,
+    json_object_string,
     malformed,
     optional_str,
     type_name,

@@ -16,12 +16,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from ninfer.core.conversation import ContentPart, Conversation, GenerationOptions, ImagePart, Message, TextPart, \
-    ToolCall, ToolResult, VideoPart
+from ninfer.core.conversation import (
+    ContentPart,
+    Conversation,
+    GenerationOptions,
+    ImagePart,
+    Message,
+    TextPart,
+    ToolCall,
+    ToolResult,
+    VideoPart,
+)
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
-    json_object_string,
     INVALID_VALUE,
+    json_object_string,
     malformed,
     optional_bool,
     optional_int,
@@ -32,9 +41,9 @@ from ninfer.protocols.fields import (
     unsupported,
 )
 from ninfer.protocols.openai_chat.request import CACHE_MODES, CACHE_RETENTIONS, check_model
-from ninfer.protocols.reasoning_codec import INCLUDE_ENCRYPTED_REASONING
-from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER, HOSTED_IGNORE, parse_tool_choice, parse_tools
 from ninfer.protocols.openai_responses.items import CALL_TYPES, RESULT_TYPES, canonical_input
+from ninfer.protocols.openai_responses.tools import FREEFORM_PARAMETER, HOSTED_IGNORE, parse_tool_choice, parse_tools
+from ninfer.protocols.reasoning_codec import INCLUDE_ENCRYPTED_REASONING
 
 UNKNOWN_PARAMETER = "unknown_parameter"
 INVALID_ASSISTANT_HISTORY = "invalid_assistant_history"

@@ -18,10 +18,10 @@ from typing import Sequence
 
 import attrs
 import torch
+from ninfer_echo.script import script_text
 
 from ninfer.core.errors import ArtifactError
 from ninfer.core.tokenizer import Tokenizer
-from ninfer_echo.script import script_text
 
 _SCRIPT_CACHE_ENTRIES = 1024
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+from ninfer_echo import ARCHITECTURE, MODEL_TYPE
 
 from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.frontend.templates import DEFAULT_TEMPLATE, artifact_resources
-from ninfer_echo import ARCHITECTURE, MODEL_TYPE
 
 VOCAB_SIZE = 248320
 IM_END = 248046

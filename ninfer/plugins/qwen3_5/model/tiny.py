@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ninfer.plugins.qwen3_5.speculative.companion import COMPANION_CONFIGS, DFlash2Config, DFlashConfig
 from ninfer.core.artifact.tiny import TinyModel
 from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.frontend.templates import DEFAULT_TEMPLATE, artifact_resources
 from ninfer.plugins.qwen3_5.model.config import DENSE_CONDITIONAL, MOE_CONDITIONAL
 from ninfer.plugins.qwen3_5.model.weights import expected_weights
+from ninfer.plugins.qwen3_5.speculative.companion import COMPANION_CONFIGS, DFlash2Config, DFlashConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.artifact.tiny import TinyOptions

@@ -17,7 +17,6 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.plugins.qwen3_5.speculative.companion import SLIDING_ATTENTION, DFlashConfig, companion_config, read_drafter_config
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import AttentionLayerSpec, KVCache, RuntimeSpec
 from ninfer.kernels.reference.attention import write_paged_kv
@@ -25,6 +24,12 @@ from ninfer.kernels.reference.moe import swiglu
 from ninfer.kernels.reference.norms import rms_norm
 from ninfer.kernels.reference.rope import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
 from ninfer.plugins.qwen3_5.model.model import Qwen35Model, WeightLoader
+from ninfer.plugins.qwen3_5.speculative.companion import (
+    SLIDING_ATTENTION,
+    DFlashConfig,
+    companion_config,
+    read_drafter_config,
+)
 
 DFLASH_PREFIX = "dflash."
 

@@ -23,11 +23,11 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.plugins.qwen3_5.speculative.companion import DFlash2Config
 from ninfer.core.runtime import KVCache
 from ninfer.kernels.reference.moe import swiglu
-from ninfer.plugins.qwen3_5.speculative.dflash import DFlashLayer, DFlashModel, DraftBlock, TakeTensor, load_layers
 from ninfer.plugins.qwen3_5.model.model import Qwen35Model
+from ninfer.plugins.qwen3_5.speculative.companion import DFlash2Config
+from ninfer.plugins.qwen3_5.speculative.dflash import DFlashLayer, DFlashModel, DraftBlock, TakeTensor, load_layers
 
 
 @attrs.frozen

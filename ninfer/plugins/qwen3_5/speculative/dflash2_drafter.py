@@ -11,15 +11,15 @@ reproducibly, and its proposal noise is independent of the acceptance draws on t
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 
-from ninfer.core.drafting import DraftRow, Proposal
-from ninfer.core.drafting import Draft, SpeculativeConfig
+from ninfer.core.drafting import Draft, DraftRow, Proposal, SpeculativeConfig
+from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 from ninfer.plugins.qwen3_5.speculative.dflash2 import DFlash2Model
 from ninfer.plugins.qwen3_5.speculative.dflash_drafter import DFlashDrafter, load_drafter_model
-from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
 
 _UINT64_MASK = 2**64 - 1
 #: Mixed into a request's seed for its proposal generator, so it never replays the request's sampler stream.

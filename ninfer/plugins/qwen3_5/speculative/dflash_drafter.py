@@ -12,7 +12,8 @@ position is observed, so a checkpoint's pages hold its whole context and the sna
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +21,10 @@ import torch.nn.functional as F
 from ninfer.core.drafting import Draft, DraftRow, SpeculativeConfig
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import KVCache
-from ninfer.plugins.qwen3_5.speculative.dflash import DFlashModel, BlockRow
-from ninfer.plugins.qwen3_5.speculative.draft_head import draft_head
 from ninfer.plugins.qwen3_5.model.model import WeightLoader
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
+from ninfer.plugins.qwen3_5.speculative.dflash import BlockRow, DFlashModel
+from ninfer.plugins.qwen3_5.speculative.draft_head import draft_head
 
 
 class DFlashDrafter:

@@ -29,19 +29,19 @@ tails on the generic path and chain the remaining steps on the fused kernels. On
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any
+from typing import Sequence as Seq
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-
 from ninfer.core.drafting import Draft, DraftRow, SpeculativeConfig
-from ninfer.kernels.transfer import to_device
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import ForwardBatch, KVCache, page_table, text_positions
-from ninfer.plugins.qwen3_5.speculative.draft_head import draft_head
+from ninfer.kernels.transfer import to_device
 from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime
+from ninfer.plugins.qwen3_5.speculative.draft_head import draft_head
 
 if TYPE_CHECKING:
     from ninfer.plugins.qwen3_5.cuda.mtp_graph import MTPDraftRunner
