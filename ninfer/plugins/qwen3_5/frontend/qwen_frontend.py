@@ -310,15 +310,20 @@ class QwenFrontend:
         return text[:-len(TURN_CLOSE)]
 
     def _tokenize(self, rendered: RenderedPrompt) -> tuple[int, ...]:
-        return self._encode(rendered)[0]
+        self._refuse_media(rendered)
+        return tuple(self._tokenizer.encode(rendered.text))
 
     def _encode(self, rendered: RenderedPrompt) -> tuple[tuple[int, ...], list[int], str]:
-        """The prompt's token ids, where each starts in the normalized text, and that text."""
+        """The prompt's token ids, where each starts in the normalized text, and that text (for its frontiers)."""
+        self._refuse_media(rendered)
+        ids, starts, text = self._tokenizer.encode_with_starts(rendered.text)
+        return tuple(ids), starts, text
+
+    @staticmethod
+    def _refuse_media(rendered: RenderedPrompt) -> None:
         if rendered.media_items:
             raise NotYetAvailableError("image and video prompts are not yet available: media preprocessing and "
                                        "vision-token expansion have not been implemented")
-        ids, starts, text = self._tokenizer.encode_with_starts(rendered.text)
-        return tuple(ids), starts, text
 
     # -- thinking budget ----------------------------------------------------------------------------------------
 
