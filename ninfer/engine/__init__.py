@@ -9,12 +9,14 @@ the host-work totals and their phase names). Code outside the engine imports onl
 
 from ninfer.engine.admission import AdmissionTicket
 from ninfer.engine.config import EngineConfig
+from ninfer.engine.context_cost import ContextCost, resolve_context_cost
 from ninfer.engine.engine import Engine, EngineStats
 from ninfer.engine.events import (
     AdmittedEvent,
     EngineEvent,
     FinishEvent,
     GenerationOutcome,
+    Materialization,
     ProgressEvent,
     StopMatch,
     TokensEvent,
@@ -39,12 +41,14 @@ __all__ = [
     "HostWorkTotals",
     "AdmissionTicket",
     "AdmittedEvent",
+    "ContextCost",
     "Engine",
     "EngineConfig",
     "EngineEvent",
     "EngineStats",
     "FinishEvent",
     "GenerationOutcome",
+    "Materialization",
     "MemoryStats",
     "ProgressEvent",
     "RequestHandle",
@@ -57,4 +61,5 @@ __all__ = [
     "Usage",
     "decoding_sequence",
     "greedy_token_ids",
+    "resolve_context_cost",
 ]

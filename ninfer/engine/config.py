@@ -8,6 +8,7 @@ import attrs
 
 from ninfer.core.errors import ConfigError
 from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
+from ninfer.engine.context_cost import ContextCost
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.config import ServeConfig
@@ -108,6 +109,7 @@ class EngineConfig:
     max_long_anchors_per_continuation: int = attrs.field(
         default=2, validator=_non_negative("max_long_anchors_per_continuation")
     )
+    context_cost: ContextCost = ContextCost()  # how admission ranks reuse candidates
 
     @property
     def private_continuations(self) -> int:

@@ -27,6 +27,39 @@ class ReuseLimit:
     diverged_at: int | None = None
 
 
+DegradationUnit = Literal["drop_replica", "demote_to_host", "drop_checkpoint"]
+MaterializationStop = Literal["no_pressure", "queue_exhausted"]
+
+
+@attrs.frozen
+class Materialization:
+    """The context-cache decision committed at a request's admission.
+
+    ``predicted_immediate_ns``: the chosen source's host-to-device restore plus its suffix prefill, by the resolved
+    context-cost coefficients; ``predicted_future_loss_ns``: the prefill the checkpoints dropped to make room would
+    have saved (a demoted one costs its restore); ``evaluated_targets``: the candidates ranked (root included);
+    ``projection_work``: checkpoints whose tokens were compared with the prompt; ``planning_ns``: wall time of the
+    decision. Every candidate is ranked, so the search stops with ``queue_exhausted`` under pressure and
+    ``no_pressure`` otherwise; it is never cut short (``budget_exhausted`` is False). ``degradation_units``: what
+    making room did, mildest first. ``maximal_root_fallback``: a matching checkpoint could not be used within the
+    request's reservation, so it started at root.
+    """
+
+    predicted_immediate_ns: int
+    predicted_future_loss_ns: int
+    evaluated_targets: int
+    projection_work: int
+    planning_ns: int
+    stop_reason: MaterializationStop
+    degradation_units: tuple[DegradationUnit, ...] = ()
+    maximal_root_fallback: bool = False
+    budget_exhausted: bool = False
+
+    @property
+    def predicted_total_ns(self) -> int:
+        return self.predicted_immediate_ns + self.predicted_future_loss_ns
+
+
 @attrs.frozen
 class StopMatch:
     """Which stop ended a request: a stop token id or a stop string."""
@@ -68,6 +101,7 @@ class GenerationOutcome:
     speculative: SpeculativeCounters | None = None  # with --spec: the request's drafting counters
     reuse_path: ReusePath = "root"  # which kind of checkpoint the prompt resumed from
     reuse_limit: ReuseLimit | None = None  # why it did not reuse more (None: never admitted)
+    materialization: Materialization | None = None  # the admission's context-cache decision (None: never admitted)
 
     @property
     def completion_tokens(self) -> int:

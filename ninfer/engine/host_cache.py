@@ -13,7 +13,7 @@ slot (:meth:`HostCache.restore`); the host copy stays valid and remains in the t
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import attrs
 import torch
@@ -21,7 +21,10 @@ import torch
 from ninfer.core.request import ReusePath
 from ninfer.core.runtime import KVCache, StateCache
 from ninfer.engine.pages import pages_for
-from ninfer.engine.prefix_cache import eviction_victim, longest_prefix
+from ninfer.engine.prefix_cache import eviction_victim
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.engine.prefix_cache import Checkpoint
 
 MIB = 1 << 20
 
@@ -101,7 +104,8 @@ def page_extent_bytes(caches: Sequence[KVCache]) -> int:
     )
 
 
-def _state_bytes(state: StateCache) -> int:
+def state_bytes(state: StateCache) -> int:
+    """Bytes of one StateImage (every recurrent layer's conv window and state)."""
     return sum(tensor[0].numel() * tensor.element_size() for tensor in (*state.conv, *state.ssm))
 
 
@@ -150,12 +154,20 @@ class HostCache:
 
     # -- lookup ------------------------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], longer_than: int = 0) -> HostCheckpoint | None:
-        """The longest host checkpoint longer than ``longer_than`` tokens whose tokens prefix ``prompt``."""
-        best = longest_prefix(self._entries, prompt, longer_than)
-        if best is not None:
-            best.last_used = self._tick()
-        return best
+    def matches(self, prompt: Sequence[int], longer_than: int = 0) -> list[HostCheckpoint]:
+        """Every host checkpoint longer than ``longer_than`` tokens whose tokens prefix (or equal) ``prompt``."""
+        return [
+            entry for entry in self._entries
+            if longer_than < len(entry.tokens) <= len(prompt) and tuple(prompt[: len(entry.tokens)]) == entry.tokens
+        ]
+
+    def touch(self, entry: HostCheckpoint) -> None:
+        """``entry`` was just selected: it is now the most recently used."""
+        entry.last_used = self._tick()
+
+    def holds(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a host checkpoint of exactly ``tokens`` is held (a device copy of it is a redundant replica)."""
+        return any(entry.tokens == tokens for entry in self._entries)
 
     def demote(self, session: str) -> None:
         """The host endpoint of ``session`` (if any) becomes anonymous: a newer endpoint exists elsewhere."""
@@ -165,32 +177,22 @@ class HostCache:
 
     # -- moving checkpoints ------------------------------------------------------------------------
 
-    def store(
-        self,
-        tokens: tuple[int, ...],
-        pages: Sequence[int],
-        slot: int,
-        logits: torch.Tensor,
-        session: str | None,
-        drafter: Any,
-        device_state: StateCache,
-        caches: Sequence[KVCache],
-        path: ReusePath = "private_endpoint",
-        hits: int = 0,
-        superseded: bool = False,
-        continuation: int | None = None,
-    ) -> bool:
-        """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped."""
+    def store(self, checkpoint: "Checkpoint", device_state: StateCache, caches: Sequence[KVCache]) -> bool:
+        """Copy a device checkpoint here (its caller then releases the device pages and slot); False: dropped.
+
+        A checkpoint already held is not copied again: the host copy is identical; it becomes the most recently
+        used and takes over the device copy's session."""
         if not self.enabled:
             return False
+        tokens, session = checkpoint.tokens, checkpoint.session
         for entry in self._entries:
-            if entry.tokens == tokens:  # already held: the host copy is identical
+            if entry.tokens == tokens:
                 entry.last_used = self._tick()
                 if session is not None:
                     self.demote(session)
                     entry.session = session
                 return True
-        used_pages = pages[: pages_for(len(tokens), self.page_size)]
+        used_pages = checkpoint.pages[: pages_for(len(tokens), self.page_size)]
         kv_bytes = len(used_pages) * page_extent_bytes(caches)
         if not self._make_room(kv_bytes):
             self._count(dropped=1)
@@ -199,18 +201,18 @@ class HostCache:
             self.demote(session)
         host_slot = self._free_slots.pop()
         for host, device in zip((*self._state.conv, *self._state.ssm), (*device_state.conv, *device_state.ssm)):
-            host[host_slot].copy_(device[slot])
+            host[host_slot].copy_(device[checkpoint.slot])
         index = torch.tensor(list(used_pages), dtype=torch.long)
         kv = [
             ([self._copy_pages(key, index) for key in cache.key], [self._copy_pages(val, index) for val in cache.value])
             for cache in caches
         ]
         entry = HostCheckpoint(
-            tokens, host_slot, kv, len(used_pages), kv_bytes, logits, self._tick(), session, drafter, path, hits,
-            superseded, continuation,
+            tokens, host_slot, kv, len(used_pages), kv_bytes, checkpoint.logits, self._tick(), session,
+            checkpoint.drafter, checkpoint.path, checkpoint.hits, checkpoint.superseded, checkpoint.continuation,
         )
         self._entries.append(entry)
-        self._count(spills=1, bytes_to_host=kv_bytes + _state_bytes(device_state))
+        self._count(spills=1, bytes_to_host=kv_bytes + state_bytes(device_state))
         return True
 
     def _copy_pages(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -250,7 +252,7 @@ class HostCache:
                 index = torch.tensor(list(pages), dtype=torch.long, device=device.device)
                 device.index_copy_(0, index, host.to(device.device, non_blocking=self._pin))
         entry.last_used = self._tick()
-        self._count(hits=1, bytes_to_device=entry.kv_bytes + _state_bytes(device_state))
+        self._count(hits=1, bytes_to_device=entry.kv_bytes + state_bytes(device_state))
 
     # -- removal -----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ device hit or a cold prefill.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -29,8 +30,10 @@ from ninfer.core.errors import ConfigError
 from ninfer.core.request import ReusePath
 from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
-from ninfer.engine.events import ReuseLimit
-from ninfer.engine.host_cache import MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters
+from ninfer.engine.events import DegradationUnit, Materialization, ReuseLimit
+from ninfer.engine.host_cache import (
+    MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters, page_extent_bytes, state_bytes,
+)
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix
 from ninfer.engine.sequence import Sequence
@@ -125,7 +128,11 @@ class EngineMemory:
         self.cache = PrefixCache(
             config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state,
             spill=self._spill if self.host.enabled else None,
+            replicated=lambda entry: self.host.holds(entry.tokens),
         )
+        self.cost = config.context_cost
+        self._state_bytes = state_bytes(self.state)
+        self._degradation: list[tuple[DegradationUnit, float]] = []  # what the admission being planned evicted
         self.promised = 0
         self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
         self._resume = None if drafter is None else drafter.resume
@@ -166,51 +173,113 @@ class EngineMemory:
         self.cache.clear()
         self.host.clear()
 
-    def _spill(self, entry: Checkpoint) -> None:
+    @property
+    def _page_extent(self) -> int:
+        return page_extent_bytes((self.kv, *self.companions))
+
+    @property
+    def _restore_ops(self) -> int:
+        """Tensors one host restore copies: every StateImage tensor and each cache's keys and values per layer."""
+        caches = (self.kv, *self.companions)
+        return len(self.state.conv) + len(self.state.ssm) + sum(len(c.key) + len(c.value) for c in caches)
+
+    def _spill(self, entry: Checkpoint) -> DegradationUnit:
         """Move an evicted device checkpoint's state and KV (all caches) to the host tier, if it fits there."""
-        self.host.store(
-            entry.tokens, entry.pages, entry.slot, entry.logits, entry.session, entry.drafter,
-            self.state, (self.kv, *self.companions), entry.path, entry.hits, entry.superseded, entry.continuation,
-        )
+        replica = self.host.holds(entry.tokens)
+        if self.host.store(entry, self.state, (self.kv, *self.companions)):
+            return "drop_replica" if replica else "demote_to_host"
+        return "drop_checkpoint"
 
     # -- admission ---------------------------------------------------------------------------------
 
     def try_admit(self, seq: Sequence, reuse: bool) -> bool:
-        """Reserve ``seq``'s pages and a slot, restoring the longest matching checkpoint; False if it must wait.
+        """Reserve ``seq``'s pages and a slot, resuming from the candidate that leaves the least work; False if it
+        must wait.
 
-        A hit is normally shared (full pages referenced, the partial last page copied). When sharing would leave
-        the reservation short — e.g. a request entitled to the whole pool — a checkpoint whose partial page no one
-        else references is consumed instead: the request takes over its pages and the checkpoint is dropped.
-        Failing both, the request is admitted without reuse.
+        The candidates are root, the longest matching device checkpoint and every longer matching host checkpoint
+        (all verified by exact token comparison), ranked by restore plus suffix prefill cost
+        (:class:`ContextCost`); admission takes the first that fits now. A device hit is normally shared (full pages
+        referenced, the partial last page copied). When sharing would leave the reservation short — e.g. a request
+        entitled to the whole pool — a checkpoint whose partial page no one else references is consumed instead:
+        the request takes over its pages and the checkpoint is dropped. Failing both, the request starts at root
+        (the maximal root fallback). The committed decision is ``seq.materialization``.
         """
+        started = time.perf_counter_ns()
+        self._degradation = []
         seq.reuse_limit = None
-        hit = self.cache.lookup(seq.prompt) if reuse else None
-        if reuse and self.host.enabled:
-            host_hit = self.host.lookup(seq.prompt, longer_than=0 if hit is None else len(hit.tokens))
-            if host_hit is not None and self._admit_from_host(seq, host_hit):
-                seq.reuse_limit = self._diagnose(seq.prompt, len(host_hit.tokens))
-                return True
+        candidates, compared = self._ranked_candidates(seq, reuse)
+        fallback = False
+        for cost_ns, source in candidates:
+            if isinstance(source, HostCheckpoint):
+                if not self._admit_from_host(seq, source):
+                    continue
+            elif isinstance(source, Checkpoint):
+                admitted = self._admit_from_device(seq, source)
+                if admitted is None:
+                    return False
+                if not admitted:
+                    fallback = True
+                    seq.reuse_limit = ReuseLimit("capacity")
+                    continue
+            elif not self._admit_at_root(seq):
+                return False
+            else:
+                self._selected("root", 0)
+                if seq.reuse_limit is None:
+                    seq.reuse_limit = self._diagnose(seq.prompt, 0) if reuse else ReuseLimit("disabled")
+            if source is not None:
+                seq.reuse_limit = self._diagnose(seq.prompt, len(source.tokens))
+            units = tuple(unit for unit, _loss in self._degradation)
+            seq.materialization = Materialization(
+                predicted_immediate_ns=round(cost_ns),
+                predicted_future_loss_ns=round(sum(loss for _unit, loss in self._degradation)),
+                evaluated_targets=len(candidates),
+                projection_work=compared,
+                planning_ns=time.perf_counter_ns() - started,
+                stop_reason="queue_exhausted" if units else "no_pressure",
+                degradation_units=units,
+                maximal_root_fallback=fallback and source is None,
+            )
+            return True
+        return False
+
+    def _ranked_candidates(self, seq: Sequence, reuse: bool) -> tuple[list[tuple[float, Any]], int]:
+        """``(cost ns, source)`` of root (None) and each matching checkpoint, cheapest first (ties: more reused),
+        and how many retained checkpoints were compared with the prompt."""
+        prompt = seq.prompt
+        cost = self.cost
+        ranked: list[tuple[float, Any]] = [(cost.prefill.ns(0, len(prompt)), None)]
+        if not reuse:
+            return ranked, 0
+        hit = self.cache.lookup(prompt)
+        if hit is not None:
+            ranked.append((cost.prefill.ns(len(hit.tokens), len(prompt) - len(hit.tokens)), hit))
+        held = self.host.matches(prompt, longer_than=0 if hit is None else len(hit.tokens))
+        for entry in held:
+            restore = cost.transfer.ns(entry.kv_bytes + self._state_bytes, self._restore_ops)
+            ranked.append((restore + cost.prefill.ns(len(entry.tokens), len(prompt) - len(entry.tokens)), entry))
+        ranked.sort(key=lambda item: (item[0], -(0 if item[1] is None else len(item[1].tokens))))
+        return ranked, len(self.cache) + len(self.host)
+
+    def _admit_at_root(self, seq: Sequence) -> bool:
+        """Reserve ``seq`` with a fresh state and no reused pages; False if it does not fit now."""
+        if not self._fits(seq, None, 0):
+            return False
+        self._reserve_room(seq, pages_for(seq.reserved_tokens, self.page_size), keep=None)
+        self.state.reset(seq.slot)
+        self._join(seq, None)
+        return True
+
+    def _admit_from_device(self, seq: Sequence, hit: Checkpoint) -> bool | None:
+        """Resume ``seq`` from device checkpoint ``hit``: True; False if it cannot within the reservation (try
+        root); None if even that is short now (wait)."""
         consume = False
-        if hit is not None and not self._fits(seq, hit, self._shareable_pages(hit)):
+        if not self._fits(seq, hit, self._shareable_pages(hit)):
             consume = self._consumable(hit) and self._fits(seq, hit, len(hit.pages))
             if not consume:
-                hit = None
-                seq.reuse_limit = ReuseLimit("capacity")
-        reused = 0 if hit is None else len(hit.pages) if consume else self._shareable_pages(hit)
-        if not self._fits(seq, hit, reused):
-            return False
-        fresh = pages_for(seq.reserved_tokens, self.page_size) - reused
-        while self.pages.free_count - self.promised < fresh:
-            if not self.cache.evict(keep=hit):
                 return False
-        self._reserve(seq, fresh)
-        if hit is None:
-            self.state.reset(seq.slot)
-            self._join(seq, None)
-            self._selected("root", 0)
-            if seq.reuse_limit is None:
-                seq.reuse_limit = self._diagnose(seq.prompt, 0) if reuse else ReuseLimit("disabled")
-            return True
+        reused = len(hit.pages) if consume else self._shareable_pages(hit)
+        self._reserve_room(seq, pages_for(seq.reserved_tokens, self.page_size) - reused, keep=hit)
         size = len(hit.tokens)
         if consume:
             self.cache.take(hit)  # its page references move to the request
@@ -228,22 +297,39 @@ class EngineMemory:
             self.slots.release(hit.slot)
         self._resume_at(seq, size, hit.logits, hit.drafter)
         self._resumed(seq, hit)
-        seq.reuse_limit = self._diagnose(seq.prompt, size)
+        return True
+
+    def _reserve_room(self, seq: Sequence, fresh: int, keep: Checkpoint | None) -> None:
+        """Evict device checkpoints other than ``keep`` until ``fresh`` pages are free beyond the promised ones,
+        then promise them and give ``seq`` a slot (the caller checked that they fit)."""
+        while self.pages.free_count - self.promised < fresh:
+            if not self._evict(keep):
+                raise RuntimeError("admission found reclaimable checkpoint pages that eviction did not free")
+        self._reserve(seq, fresh)
+
+    def _evict(self, keep: Checkpoint | None) -> bool:
+        """Evict one device checkpoint (other than ``keep``) and note the degradation unit it cost."""
+        evicted = self.cache.evict(keep=keep)
+        if evicted is None:
+            return False
+        entry, unit = evicted
+        if unit == "drop_checkpoint":
+            loss = self.cost.prefill.ns(0, len(entry.tokens))
+        else:
+            loss = self.cost.transfer.ns(len(entry.pages) * self._page_extent + self._state_bytes, self._restore_ops)
+        self._degradation.append((unit, loss))
         return True
 
     def _admit_from_host(self, seq: Sequence, entry: HostCheckpoint) -> bool:
         """Reserve ``seq`` like a cold request and copy the host checkpoint into it; False if it does not fit now."""
         if not self._fits(seq, None, 0):
             return False
-        fresh = pages_for(seq.reserved_tokens, self.page_size)
         self.host.protected = entry  # device evictions below spill to the host tier: keep this entry there
         try:
-            while self.pages.free_count - self.promised < fresh:
-                if not self.cache.evict():
-                    raise RuntimeError("admission found reclaimable checkpoint pages that eviction did not free")
+            self._reserve_room(seq, pages_for(seq.reserved_tokens, self.page_size), keep=None)
         finally:
             self.host.protected = None
-        self._reserve(seq, fresh)
+        self.host.touch(entry)
         assert seq.slot is not None
         pages = [self._allocate(seq) for _ in range(entry.num_pages)]
         self.host.restore(entry, self.state, seq.slot, (self.kv, *self.companions), pages)

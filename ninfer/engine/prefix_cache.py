@@ -12,7 +12,8 @@ session endpoint (least recently used) only when no anonymous one is left, so th
 is bounded by the capacity itself. Sessions never change lookup: it is by exact token prefix only.
 
 An evicted checkpoint is first handed to ``spill`` (the engine moves it to the host tier, see
-:mod:`ninfer.engine.host_cache`); its device pages and slot are released either way.
+:mod:`ninfer.engine.host_cache`); its device pages and slot are released either way. The mildest eviction comes
+first: a checkpoint the host tier already holds (a redundant replica, ``replicated``) goes before any other.
 
 With speculative decoding a checkpoint may also keep the drafter's *snapshot*: what the drafter needs (beyond the
 pages, which carry its paged state) to draft right after the checkpoint's last token. The engine treats it as opaque.
@@ -21,7 +22,7 @@ pages, which carry its paged state) to draft right after the checkpoint's last t
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import attrs
 import torch
@@ -29,6 +30,9 @@ import torch
 from ninfer.core.request import ReusePath
 from ninfer.core.runtime import StateCache
 from ninfer.engine.pages import PagePool, SlotPool, pages_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.engine.events import DegradationUnit
 
 R = TypeVar("R", bound="Retained")
 
@@ -109,7 +113,8 @@ class PrefixCache:
         pages: PagePool,
         slots: SlotPool,
         state: StateCache,
-        spill: Callable[[Checkpoint], None] | None = None,
+        spill: "Callable[[Checkpoint], DegradationUnit] | None" = None,
+        replicated: Callable[[Checkpoint], bool] | None = None,
     ) -> None:
         self.capacity = capacity
         self.page_size = page_size
@@ -117,6 +122,7 @@ class PrefixCache:
         self._slots = slots
         self._state = state
         self._spill = spill
+        self._replicated = replicated
         self._entries: list[Checkpoint] = []
         self._clock = 0
 
@@ -216,17 +222,17 @@ class PrefixCache:
         if previous is not None:
             previous.session = None
 
-    def evict(self, keep: Checkpoint | None = None) -> bool:
-        """Evict one checkpoint other than ``keep``: the least recently used anonymous one, else the least
-        recently used session endpoint (offered to ``spill`` first); False when there is none."""
+    def evict(self, keep: Checkpoint | None = None) -> "tuple[Checkpoint, DegradationUnit] | None":
+        """Evict one checkpoint other than ``keep`` (a redundant replica first, then by ``eviction_victim``),
+        offered to ``spill`` first: the victim and what its eviction did; None when there is none."""
         candidates = [entry for entry in self._entries if entry is not keep]
         if not candidates:
-            return False
-        victim = eviction_victim(candidates)
-        if self._spill is not None:
-            self._spill(victim)
+            return None
+        replicas = [entry for entry in candidates if self._replicated is not None and self._replicated(entry)]
+        victim = eviction_victim(replicas or candidates)
+        unit: DegradationUnit = "drop_checkpoint" if self._spill is None else self._spill(victim)
         self._drop(victim)
-        return True
+        return victim, unit
 
     def drop(self, entry: Checkpoint) -> None:
         """Forget ``entry`` (not spilled): its pages and slot are released."""

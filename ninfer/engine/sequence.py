@@ -9,7 +9,7 @@ import torch
 
 from ninfer.core.request import GenerationRequest, ReusePath
 from ninfer.engine.admission import AdmissionTicket
-from ninfer.engine.events import FinishReason, GenerationOutcome, ReuseLimit, StopMatch
+from ninfer.engine.events import FinishReason, GenerationOutcome, Materialization, ReuseLimit, StopMatch
 from ninfer.engine.handle import RequestHandle
 from ninfer.engine.host_work import RequestHostWork
 from ninfer.engine.sampler import RowSampler
@@ -48,6 +48,7 @@ class Sequence:
     resumed_from: Any = None  # the checkpoint admission resumed from, until a longer one of this history is kept
     continuation: int | None = None  # the private continuation its checkpoints join (set at admission)
     reuse_limit: ReuseLimit | None = None  # why admission did not reuse more of the prompt
+    materialization: Materialization | None = None  # admission's context-cache decision
     sampled: int = 0
     control: int = 0
     budget_open: bool = False
@@ -109,6 +110,7 @@ class Sequence:
             cached_tokens=self.cache_n,
             reuse_path=self.reuse_path,
             reuse_limit=self.reuse_limit,
+            materialization=self.materialization,
             control_tokens=self.control,
             seed=self.sampler.seed,
             sampling=self.sampler.params,

@@ -134,6 +134,7 @@ def server_start_fields(
             "spec": config.spec,
             "draft_tokens": config.draft_tokens,
         },
+        "context_cost": engine.config.context_cost.record(),
         "sampler": {
             "defaults": {"thinking": _preset_dict(presets.get("thinking")),
                          "non_thinking": _preset_dict(presets.get("non_thinking"))},
@@ -297,6 +298,25 @@ def engine_timing_fields(timings: Any, submitted_at: float) -> dict[str, Any]:
     }
 
 
+def _materialization_fields(decision: Any) -> dict[str, Any] | None:
+    if decision is None:
+        return None
+    return {
+        "predicted_ns": {
+            "immediate": decision.predicted_immediate_ns,
+            "future_loss": decision.predicted_future_loss_ns,
+            "total": decision.predicted_total_ns,
+        },
+        "evaluated_targets": decision.evaluated_targets,
+        "projection_work": decision.projection_work,
+        "planning_ns": decision.planning_ns,
+        "stop_reason": decision.stop_reason,
+        "budget_exhausted": decision.budget_exhausted,
+        "degradation_units": list(decision.degradation_units),
+        "maximal_root_fallback": decision.maximal_root_fallback,
+    }
+
+
 def request_done_fields(
     *, outcome: Any, parse_report: Any, reasoning_tokens: int, budget_limit: int | None, prepare_seconds: float,
     submitted_at: float, spec: str | None,
@@ -330,7 +350,7 @@ def request_done_fields(
                 "inserted_tokens": outcome.control_tokens,
             },
         },
-        "materialization": None,
+        "materialization": _materialization_fields(outcome.materialization),
         "timings_seconds": {
             "prepare": prepare_seconds,
             "ttft": ttft,

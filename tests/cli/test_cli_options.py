@@ -27,6 +27,8 @@ SECRET = "sk-test-very-secret"
 #: Every serve option with its documented default (derived ones for --max-concurrency 1).
 DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "artifact": None,
+    "synthetic": None,
+    "synthetic_seed": 0,
     "host": "127.0.0.1",
     "port": 8080,
     "api_key": None,
@@ -82,6 +84,8 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
 
 #: One non-default value per option: (arguments, field, expected resolved value).
 ACCEPTED = [
+    (["--synthetic", "qwen3.6-27b"], "synthetic", "qwen3.6-27b"),
+    (["--synthetic", "tiny", "--synthetic-seed", str(2**63 - 1)], "synthetic_seed", 2**63 - 1),
     (["--host", "0.0.0.0"], "host", "0.0.0.0"),
     (["--port", "1"], "port", 1),
     (["--port", "65535"], "port", 65535),
@@ -148,6 +152,9 @@ ACCEPTED = [
 
 #: Documented bad values: (arguments, the flag the one-line error must name).
 REJECTED = [
+    (["--synthetic", "qwen9"], "--synthetic"),
+    (["--synthetic", "tiny", "--synthetic-seed", "-1"], "--synthetic-seed"),
+    (["--synthetic", "tiny", "--synthetic-seed", str(2**63)], "--synthetic-seed"),
     (["--host", ""], "--host"),
     (["--port", "0"], "--port"),
     (["--port", "65536"], "--port"),
@@ -258,6 +265,7 @@ def test_help_lists_every_option_with_its_default():
     assert "--print-config" in help_text
     assert "listen port [default: 8080]" in help_text
     assert "[mtp|dflash|dflash2]" in help_text and "[bf16|int8|fp8|nvfp4|k8v4]" in help_text
+    assert "[qwen3.6-27b|qwen3.5-9b-shape|tiny|qwen3.6-35b-a3b|tiny-moe]" in help_text
 
 
 @pytest.mark.parametrize(("args", "field", "expected"), ACCEPTED, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -271,6 +279,15 @@ def test_artifact_argument_is_recorded():
     assert print_config("models/x.ninfer")["artifact"] == "models/x.ninfer"
 
 
+def test_synthetic_excludes_the_artifact_and_owns_its_seed():
+    config = print_config("--synthetic", "tiny-moe", "--synthetic-seed", "3")
+    assert (config["artifact"], config["synthetic"], config["synthetic_seed"]) == (None, "tiny-moe", 3)
+    assert "mutually exclusive" in assert_rejected(["models/x.ninfer", "--synthetic", "tiny"], "--synthetic")
+    assert "requires --synthetic" in assert_rejected(["--synthetic-seed", "3"], "--synthetic-seed")
+    listed = assert_rejected(["--synthetic", "qwen9"], "--synthetic")
+    assert all(name in listed for name in ("qwen3.6-27b", "qwen3.6-35b-a3b", "tiny", "tiny-moe"))
+
+
 # -- rejected values -------------------------------------------------------------------------------
 
 
@@ -281,7 +298,7 @@ def test_rejected_value(args, flag):
 
 def test_context_cost_presets_file(tmp_path):
     presets = tmp_path / "presets.json"
-    presets.write_text('{"transfer": {"h2d_gib_per_s": 50}}')
+    presets.write_text('{"transfer": {"ns_per_byte": 0.02}}')
     assert print_config("--context-cost-presets", str(presets))["context_cost_presets"] == str(presets)
     assert "no such file" in assert_rejected(["--context-cost-presets", str(tmp_path / "missing.json")],
                                              "--context-cost-presets")

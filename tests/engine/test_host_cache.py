@@ -17,8 +17,10 @@ import torch
 from ninfer.core.request import GenerationRequest, SamplingParams
 
 from ninfer.engine import Engine, EngineConfig
+from ninfer.engine.context_cost import ContextCost, TransferCost
 from ninfer.engine.host_cache import HostCache, HostTierCounters, page_extent_bytes
 from ninfer.engine.memory import EngineMemory
+from ninfer.engine.prefix_cache import Checkpoint
 from ninfer.core.errors import ConfigError
 from ninfer.observability.throughput import IntervalCounts, throughput_fields
 from ninfer.core.runtime import KVCache, StateCache
@@ -42,7 +44,17 @@ class Device:
         self.host = HostCache(state_slots, budget_pages * self.extent, self.state, PAGE)
 
     def store(self, tokens: list[int], pages: list[int], slot: int = 0, session: str | None = None) -> bool:
-        return self.host.store(tuple(tokens), pages, slot, torch.zeros(3), session, None, self.state, self.caches)
+        checkpoint = Checkpoint(tuple(tokens), pages, slot, torch.zeros(3), last_used=0, session=session)
+        return self.host.store(checkpoint, self.state, self.caches)
+
+    def longest(self, prompt: list[int], longer_than: int = 0):  # type: ignore[no-untyped-def]
+        """The longest matching host checkpoint, marked used (what admission selects when transfers are cheap)."""
+        held = self.host.matches(prompt, longer_than)
+        if not held:
+            return None
+        best = max(held, key=lambda entry: len(entry.tokens))
+        self.host.touch(best)
+        return best
 
     def held(self) -> list[tuple[int, ...]]:
         return sorted(entry.tokens for entry in self.host._entries)
@@ -62,7 +74,7 @@ def test_a_page_extent_counts_every_layer_of_every_cache():
 def test_a_stored_checkpoint_restores_its_state_and_kv_exactly():
     device = Device(state_slots=2, budget_pages=4)
     assert device.store(tokens(0, 6), [5, 9, 3], slot=1)  # 6 tokens: only pages 5 and 9 are held
-    entry = device.host.lookup(tokens(0, 6) + [42])
+    entry = device.longest(tokens(0, 6) + [42])
     assert entry is not None and entry.num_pages == 2 and entry.kv_bytes == 2 * device.extent
     expected_state = [tensor[1].clone() for tensor in (*device.state.conv, *device.state.ssm)]
     expected_kv = [tensor[[5, 9]].clone() for cache in device.caches for tensor in (*cache.key, *cache.value)]
@@ -82,15 +94,18 @@ def test_a_stored_checkpoint_restores_its_state_and_kv_exactly():
     )
 
 
-def test_lookup_takes_the_longest_exact_prefix_longer_than_the_device_hit():
+def test_matches_are_the_exact_prefixes_longer_than_the_device_hit():
     device = Device(state_slots=4, budget_pages=8)
     device.store(tokens(0, 4), [0])
     device.store(tokens(0, 8), [0, 1])
     device.store([9] * 12, [2, 3, 4])
-    assert device.host.lookup(tokens(0, 10)).tokens == tuple(tokens(0, 8))
-    assert device.host.lookup(tokens(0, 7)).tokens == tuple(tokens(0, 4))
-    assert device.host.lookup(tokens(0, 10), longer_than=8) is None
-    assert device.host.lookup(tokens(1, 10)) is None
+    held = lambda prompt, longer_than=0: sorted(len(e.tokens) for e in device.host.matches(prompt, longer_than))
+    assert held(tokens(0, 10)) == [4, 8]
+    assert held(tokens(0, 8)) == [4, 8]  # a checkpoint equal to the prompt matches
+    assert held(tokens(0, 7)) == [4]
+    assert held(tokens(0, 10), longer_than=4) == [8]
+    assert held(tokens(0, 10), longer_than=8) == []
+    assert held(tokens(1, 10)) == []
 
 
 def test_slots_evict_least_recently_used_anonymous_first_and_endpoints_last():
@@ -101,7 +116,7 @@ def test_slots_evict_least_recently_used_anonymous_first_and_endpoints_last():
     assert device.held() == [tuple(a), tuple(c)]
     assert device.store(d, [3])  # c is the only anonymous entry
     assert device.held() == [tuple(a), tuple(d)]
-    device.host.lookup(a)
+    device.longest(a)
     device.store(b, [1], session="other")  # b is an endpoint now: d (anonymous) goes first
     assert device.held() == [tuple(a), tuple(b)]
     device.store(c, [2])  # two endpoints: the least recently used one (a) goes
@@ -132,7 +147,7 @@ def test_storing_an_identical_checkpoint_keeps_one_copy_and_moves_the_endpoint()
     device = Device(state_slots=4, budget_pages=8)
     device.store(tokens(0, 4), [0], session="chain")
     device.store(tokens(10, 4), [1], session="chain")  # a newer endpoint of the same session
-    assert device.host.lookup(tokens(0, 4)).session is None
+    assert device.longest(tokens(0, 4)).session is None
     assert device.store(tokens(0, 4), [0])
     assert len(device.host) == 2 and device.host.counters.spills == 2
 
@@ -303,3 +318,46 @@ def test_mtp_drafts_from_the_first_round_after_a_host_hit(tiny):
     assert counters.hits == 1 and resumed.cached_tokens == len(fed_turn)
     assert resumed.speculative.fallback_steps == 0 and resumed.speculative.rounds > 0
     assert resumed_drafts == cold_drafts  # the restored drafter state drafts what a cold prefill's state does
+
+
+# -- least-work selection --------------------------------------------------------------------------------------------
+
+
+def test_admission_takes_the_candidate_that_leaves_the_least_work():
+    """The follow-up matches two host checkpoints of A (its prompt end and its endpoint). With the generic
+    coefficients restoring the longer one is cheapest; with a restore priced above the whole prompt's prefill, root
+    is. Both outputs equal the cold oracle (``run`` checks), and the decision reports the ranked cost."""
+    cheap = make_engine(True)
+    a_prompt, a, follow_up = conversation(cheap)
+    decision = follow_up.materialization
+    assert follow_up.cached_tokens == len(a_prompt) + a.completion_tokens - 1
+    assert decision.evaluated_targets == 3 and decision.projection_work >= 2  # root + A's two host checkpoints
+    cost, memory = cheap.config.context_cost, cheap._memory
+    kv_bytes = -(-follow_up.cached_tokens // PAGE) * page_extent_bytes((memory.kv,))
+    state = sum(t[0].numel() * t.element_size() for t in (*memory.state.conv, *memory.state.ssm))
+    tensors = len(memory.state.conv) + len(memory.state.ssm) + 2 * len(memory.kv.key)
+    restore = cost.transfer.ns(kv_bytes + state, tensors)
+    suffix = follow_up.prompt_tokens - follow_up.cached_tokens
+    assert decision.predicted_immediate_ns == round(restore + cost.prefill.ns(follow_up.cached_tokens, suffix))
+    assert decision.stop_reason == "no_pressure" and decision.degradation_units == ()
+    assert not decision.maximal_root_fallback and not decision.budget_exhausted
+    cheap.shutdown()
+
+    costly = ContextCost(transfer=TransferCost(batch_ns=1e12))
+    expensive = make_engine(True, context_cost=costly)
+    _, _, follow_up = conversation(expensive)
+    assert follow_up.cached_tokens == 0 and follow_up.reuse_path == "root"
+    assert follow_up.materialization.evaluated_targets == 3
+    assert follow_up.materialization.predicted_immediate_ns == round(costly.prefill.ns(0, follow_up.prompt_tokens))
+    expensive.shutdown()
+
+
+def test_making_room_reports_its_degradation_units():
+    """A host hit whose reservation needs the device checkpoints' pages moves them to the host tier first."""
+    engine = make_engine(True, kv_capacity=8 * PAGE, device_state_slots=2)
+    _, _, follow_up = conversation(engine)
+    decision = follow_up.materialization
+    assert decision.stop_reason == "queue_exhausted"
+    assert decision.degradation_units and set(decision.degradation_units) <= {"demote_to_host", "drop_replica"}
+    assert decision.predicted_future_loss_ns > 0
+    engine.shutdown()

@@ -196,6 +196,7 @@ def test_every_line_validates_against_the_schema(scenario):
         errors = [error.message for error in validator.iter_errors(record)]
         assert not errors, (record["event"], errors)
     assert scenario.records[0]["event"] == "server_start"
+    assert scenario.records[0]["context_cost"]["source"] == "generic"
     assert len({r["server_instance_id"] for r in scenario.records}) == 1
 
 
@@ -234,6 +235,11 @@ def assert_tokens_match(done: dict[str, Any], usage: dict[str, Any]) -> None:
     assert result["computed_prefill_tokens"] == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
     # root exactly when nothing was reused; a hit names the kind of checkpoint it resumed from
     assert (result["prefix_reuse_path"] == "root") == (result["prefix_cache_hit_tokens"] == 0)
+    decision = done["materialization"]  # every admitted request commits one decision: root is always a candidate
+    assert decision is not None and decision["evaluated_targets"] >= 1 + (result["prefix_cache_hit_tokens"] > 0)
+    predicted = decision["predicted_ns"]
+    assert predicted["total"] == predicted["immediate"] + predicted["future_loss"] and predicted["immediate"] > 0
+    assert decision["stop_reason"] == ("queue_exhausted" if decision["degradation_units"] else "no_pressure")
 
 
 def test_done_tokens_agree_with_http_usage(scenario):
