@@ -64,19 +64,25 @@ def shared_prefix_frontier(text: str, starts: Sequence[int]) -> int | None:
     return frontier if frontier is not None and MIN_SHARED_PREFIX_TOKENS <= frontier < len(starts) else None
 
 
+def turn_openings(text: str, starts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``(character, token)`` offsets of every turn opening after the first character where a token starts."""
+    openings = []
+    cut = text.find(TURN_OPEN, 1)
+    while cut > 0:
+        frontier = token_frontier(starts, cut)
+        if frontier is not None:
+            openings.append((cut, frontier))
+        cut = text.find(TURN_OPEN, cut + 1)
+    return tuple(openings)
+
+
 def long_anchors(text: str, starts: Sequence[int]) -> tuple[int, ...]:
     """Recovery points of a long conversation: for every multiple of ANCHOR_STEP tokens, the last turn opening at
     or before it. The grid is absolute, so the anchors a growing conversation passes stay the same turn after
     turn: prefill captures each once, when it first computes through it, and a history edited or truncated far
     from its end falls back to the nearest retained anchor before the edit rather than to root (the engine keeps
     the most recent few per conversation)."""
-    turn_starts = []
-    cut = text.find(TURN_OPEN, 1)
-    while cut > 0:
-        frontier = token_frontier(starts, cut)
-        if frontier is not None:
-            turn_starts.append(frontier)
-        cut = text.find(TURN_OPEN, cut + 1)
+    turn_starts = [frontier for _cut, frontier in turn_openings(text, starts)]
     anchors = set()
     for boundary in range(ANCHOR_STEP, len(starts), ANCHOR_STEP):
         index = bisect.bisect_right(turn_starts, boundary) - 1

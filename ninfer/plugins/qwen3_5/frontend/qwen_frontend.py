@@ -21,7 +21,12 @@ from ninfer.core.conversation import Conversation, GenerationOptions, Message, T
 from ninfer.core.errors import ArtifactError, InvalidRequestError, NinferError, NotYetAvailableError
 from ninfer.core.frontend import PreparedRequest, PromptCapabilities
 from ninfer.core.request import BudgetClose, GenerationRequest
-from ninfer.plugins.qwen3_5.frontend.frontiers import continuation_frontiers, long_anchors, shared_prefix_frontier
+from ninfer.plugins.qwen3_5.frontend.frontiers import (
+    continuation_frontiers,
+    long_anchors,
+    shared_prefix_frontier,
+    token_frontier,
+)
 from ninfer.plugins.qwen3_5.frontend.output_parser import (
     THINK_CLOSE,
     OutputDecoderError,
@@ -29,6 +34,7 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     thinking_budget_control_text,
 )
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
+from ninfer.plugins.qwen3_5.frontend.prompt_tokens import PromptEncoder
 from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -157,6 +163,7 @@ class QwenFrontend:
         self._config = config
         self._policy = config.request_policy
         self._tokenizer = tokenizer
+        self._encoder = PromptEncoder(tokenizer)
         manifest = artifact.manifest
         self.template = ChatTemplate(artifact.resource_text(CHAT_TEMPLATE_RESOURCE),
                                      name=f"{artifact.path}:{CHAT_TEMPLATE_RESOURCE}")
@@ -193,7 +200,7 @@ class QwenFrontend:
             sampling=sampling,
             budget_close=self._budget_close(conversation, rendered.mode, output_budget),
             checkpoint_offsets=(
-                *self._checkpoint_offsets(conversation, rendered, token_ids),
+                *self._checkpoint_offsets(conversation, rendered, text, starts),
                 *filter(None, (shared_prefix_frontier(text, starts),)),
             ),
             continuation_offsets=continuation_frontiers(text, starts),
@@ -257,15 +264,17 @@ class QwenFrontend:
 
     # -- cache breakpoints --------------------------------------------------------------------------------------
 
-    def _checkpoint_offsets(self, conversation: Conversation, rendered: RenderedPrompt,
-                            token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    def _checkpoint_offsets(self, conversation: Conversation, rendered: RenderedPrompt, text: str,
+                            starts: list[int]) -> tuple[int, ...]:
         """Exact token frontiers after the turns that carry an explicit cache breakpoint (the latest four).
 
         A turn's frontier is where the next turn would open. The prefix is rendered with a probe user turn after
         it (so templates that need a user query still render) and cut at the probe. The probe is a real query only
         when a real user query follows in the conversation, and otherwise looks like a tool result, so the
         template's "last user query" (which decides where history keeps its reasoning) stays where it is. A
-        frontier that is not an exact prefix of the prompt's text and tokens is ignored, as the spec allows.
+        frontier that is not an exact prefix of the prompt's (normalized) ``text`` or where no prompt token starts
+        (``starts``) is ignored, as the spec allows; a turn opens with a special token, so the prompt's tokens up to
+        a frontier are the prefix's own tokens and nothing is tokenized again.
         """
         messages = conversation.messages
         offsets: set[int] = set()
@@ -275,15 +284,15 @@ class QwenFrontend:
             head = attrs.evolve(conversation, continue_final_message=False,
                                 messages=(*messages[: index + 1], Message("user", (TextPart(probe_text),))))
             try:
-                text, _ = self._template_text(head, rendered.mode, rendered.preserve_thinking, generation_prompt=False)
+                head_text, _ = self._template_text(head, rendered.mode, rendered.preserve_thinking,
+                                                   generation_prompt=False)
             except NinferError:
                 continue
-            cut = text.rfind(USER_TURN_OPEN + probe_text)
-            if cut <= 0 or not rendered.text.startswith(text[:cut]):
-                continue
-            ids = tuple(self._tokenizer.encode(text[:cut]))
-            if len(ids) < len(token_ids) and token_ids[: len(ids)] == ids:
-                offsets.add(len(ids))
+            cut = head_text.rfind(USER_TURN_OPEN + probe_text)
+            prefix = self._tokenizer.normalize(head_text[:cut]) if cut > 0 else ""
+            frontier = token_frontier(starts, len(prefix)) if prefix and text.startswith(prefix) else None
+            if frontier is not None and 0 < frontier < len(starts):
+                offsets.add(frontier)
         return tuple(sorted(offsets))
 
     @staticmethod
@@ -311,13 +320,13 @@ class QwenFrontend:
 
     def _tokenize(self, rendered: RenderedPrompt) -> tuple[int, ...]:
         self._refuse_media(rendered)
-        return tuple(self._tokenizer.encode(rendered.text))
+        return self._encoder.encode(rendered.text).ids
 
     def _encode(self, rendered: RenderedPrompt) -> tuple[tuple[int, ...], list[int], str]:
         """The prompt's token ids, where each starts in the normalized text, and that text (for its frontiers)."""
         self._refuse_media(rendered)
-        ids, starts, text = self._tokenizer.encode_with_starts(rendered.text)
-        return tuple(ids), starts, text
+        encoded = self._encoder.encode(rendered.text)
+        return encoded.ids, list(encoded.starts), encoded.text
 
     @staticmethod
     def _refuse_media(rendered: RenderedPrompt) -> None:
