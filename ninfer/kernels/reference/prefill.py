@@ -7,8 +7,10 @@
   stays sequential: one Triton kernel on CUDA (``ninfer.kernels.triton.chunk_state``), three batched products per
   chunk elsewhere (``chunk_state_pass_torch``, its twin).
 * ``prefill_causal_conv1d``: the short conv of a whole chunk in one Triton kernel on CUDA.
-* ``prefill_attention``: each row's paged KV gathered once, then ``scaled_dot_product_attention`` (flash / memory
-  efficient kernels) with the causal mask offset by the row's cached tokens.
+* ``prefill_attention``: the Triton paged prefill attention on CUDA (``ninfer.kernels.triton.prefill_attention``:
+  the cached KV read in place through the page table, so a continuation chunk costs what its keys cost); without
+  Triton each row's paged KV gathered once, then ``scaled_dot_product_attention`` with the causal mask offset by the
+  row's cached tokens.
 * ``moe_feed_forward``: (token, expert) pairs sorted by expert and run as grouped GEMMs (``torch._grouped_mm`` on
   CUDA bf16), one scatter-add back to the tokens.
 
@@ -206,8 +208,18 @@ def prefill_attention(
     *,
     scale: float,
 ) -> torch.Tensor:
-    """Causal paged attention: SDPA per row on CUDA, the reference ``paged_attention`` elsewhere."""
+    """Causal paged attention: the Triton kernel on CUDA (SDPA per row without Triton or for a head dim it cannot
+    tile), the reference ``paged_attention`` elsewhere."""
     if query.device.type == "cuda":
+        from ninfer.kernels.triton import triton_available
+
+        if triton_available(query.device):
+            from ninfer.kernels.triton.prefill_attention import paged_prefill_attention, prefill_dims_supported
+
+            if prefill_dims_supported(query.shape[-1]):
+                return paged_prefill_attention(
+                    query, key_cache, value_cache, page_tables, query_lens, context_lens, scale=scale
+                )
         return sdpa_paged_attention(
             query, key_cache, value_cache, page_tables, query_lens, context_lens, scale=scale
         )
