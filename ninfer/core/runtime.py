@@ -243,11 +243,27 @@ class LoadOptions:
 
 
 class ModelRuntime(Protocol):
-    """What a model family's ``load_runtime`` returns."""
+    """What a model family's ``load_runtime`` returns.
+
+    A runtime that compiles, autotunes or captures anything on the first use of a shape may also offer
+    ``warm_up(kv, state, shapes: WarmUpShapes) -> None``: it runs every shape ``shapes`` allows once, before any
+    request, writing only scratch (any page, the first ``shapes.max_rows`` state slots), which the engine never
+    reads before it has written or reset it.
+    """
 
     spec: RuntimeSpec
 
     def forward(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> ForwardOutput: ...
+
+
+@attrs.frozen
+class WarmUpShapes:
+    """The shapes an engine can ask a runtime for: up to ``max_rows`` rows per batch, ``max_pages`` pages per row's
+    page table, prefill chunks of up to ``prefill_chunk`` tokens."""
+
+    max_rows: int
+    max_pages: int
+    prefill_chunk: int
 
 
 def page_table(rows: Sequence["DraftRow"], device: torch.device | str = "cpu") -> torch.Tensor:

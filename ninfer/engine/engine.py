@@ -11,7 +11,7 @@ from ninfer.core.descriptors import SamplingPreset
 from ninfer.core.drafting import Drafter
 from ninfer.core.errors import CapacityError, InvalidRequestError
 from ninfer.core.request import GenerationRequest, SamplingParams
-from ninfer.core.runtime import ModelRuntime
+from ninfer.core.runtime import ModelRuntime, WarmUpShapes
 from ninfer.engine.admission import AdmissionController, AdmissionTicket
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.executor import Executor
@@ -105,6 +105,34 @@ class Engine:
             decode_row_rounds=self._executor.decode_row_rounds,
             host_work=self._executor.host_work,
         )
+
+    def warm_up(self) -> None:
+        """Run, before any request, everything the first requests would otherwise compile, autotune or capture,
+        then forget it (no checkpoint, no counter survives).
+
+        The runtime's own ``warm_up`` (if it has one) covers every shape the configuration allows; then, on CUDA,
+        one request per lane runs through the whole engine (admission, prefill, decode at every batch size as they
+        finish one after another, greedy and sampled rows) for the engine's own kernels. Elsewhere nothing compiles."""
+        warm = getattr(self.runtime, "warm_up", None)
+        if warm is not None:
+            shapes = WarmUpShapes(
+                max_rows=self.config.max_concurrency,
+                max_pages=pages_for(self.config.max_context, self._memory.page_size),
+                prefill_chunk=min(self.config.prefill_chunk, self.config.max_context),
+            )
+            self._executor.call(lambda: warm(self._memory.kv, self._memory.state, shapes))
+        if self.spec.device.type != "cuda":
+            return
+        vocab = self.vocab_limit or self.spec.vocab_size
+        handles = []
+        for lane in range(self.config.max_concurrency):
+            sampled = dict(temperature=1.0, top_p=0.9, top_k=20, seed=lane) if lane % 2 else dict(temperature=0.0)
+            params = SamplingParams(max_tokens=2 + lane, ignore_eos=True, **sampled)
+            prompt = [(lane * 31 + index) % vocab for index in range(8 + lane)]
+            handles.append(self.submit(GenerationRequest(prompt, params)))
+        for handle in handles:
+            handle.result()
+        self._executor.call(self._memory.forget)
 
     def clear_prefix_cache(self) -> None:
         """Drop every prefix checkpoint of the device and host tiers (runs on the executor between steps)."""

@@ -173,6 +173,14 @@ class EngineMemory:
         self.cache.clear()
         self.host.clear()
 
+    def forget(self) -> None:
+        """Drop every checkpoint and zero every counter: as after startup (the engine's warm-up is not history)."""
+        self.clear_cache()
+        self.host.counters = HostTierCounters()
+        self.selections = SelectionCounters()
+        self.last_frontier = None
+        self._continuation_used.clear()
+
     @property
     def _page_extent(self) -> int:
         return page_extent_bytes((self.kv, *self.companions))

@@ -253,3 +253,59 @@ def test_engine_on_cuda_with_auto_kv_capacity(tiny_path):
             greedy_out = engine.submit(greedy(prompts[0], 8)).result(60)
             assert greedy_out.completion_tokens == 8
             assert engine.stats().memory.free_slots >= 4
+
+
+# -- warm-up -------------------------------------------------------------------------------------------------------
+
+
+class WarmUpRecorder:
+    """The tiny runtime plus a ``warm_up`` that records the shapes it is asked for and scribbles on its scratch."""
+
+    def __init__(self, runtime) -> None:  # type: ignore[no-untyped-def]
+        self.runtime, self.spec, self.shapes = runtime, runtime.spec, []
+
+    def forward(self, batch, kv, state):  # type: ignore[no-untyped-def]
+        return self.runtime.forward(batch, kv, state)
+
+    def warm_up(self, kv, state, shapes) -> None:  # type: ignore[no-untyped-def]
+        self.shapes.append(shapes)
+        kv.key[0][0].fill_(7.0)  # scratch: page 0 and the first slots, which no request may read unwritten
+        state.ssm[0][: shapes.max_rows].fill_(7.0)
+
+
+def test_warm_up_asks_the_runtime_for_every_configured_shape_and_leaves_nothing(tiny):
+    recorder = WarmUpRecorder(tiny[1])
+    prompts = prompts_of([30, 17], seed=9)
+    with make_engine(tiny, prefix_reuse=False) as cold:
+        expected = [cold.submit(greedy(prompt, 6)).result(60).output_token_ids for prompt in prompts]
+    with make_engine(tiny, recorder, max_concurrency=3, prefill_chunk=64, page_size=16) as engine:
+        engine.warm_up()
+        [shapes] = recorder.shapes
+        assert (shapes.max_rows, shapes.max_pages, shapes.prefill_chunk) == (3, MAX_CONTEXT // 16, 64)
+        memory = engine.stats().memory
+        assert memory.checkpoints == 0 and memory.free_pages == memory.total_pages
+        outputs = [engine.submit(greedy(prompt, 6)).result(60).output_token_ids for prompt in prompts]
+    assert outputs == expected  # the scratch the warm-up wrote is never read as a request's state or KV
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_after_warm_up_requests_capture_and_keep_nothing_new(tiny):
+    """On CUDA the warm-up captures a decode graph for every batch size and page-table bucket the configuration
+    allows, so later requests of any batch size capture none; outputs equal an engine that was not warmed up."""
+    registries = load_plugin_manager(entry_points=False).registries
+    runtime = registries.family_for(tiny[0].manifest).require("load_runtime")(
+        tiny[0], LoadOptions(device="cuda", dtype="float32")
+    )
+    prompts = prompts_of([40, 9, 23, 70], seed=12)
+    with make_engine(tiny, runtime, max_concurrency=4, prefix_reuse=False) as engine:
+        expected = [h.result(60).output_token_ids for h in [engine.submit(greedy(p, 8)) for p in prompts]]
+    runtime.decoder.reset()
+    with make_engine(tiny, runtime, max_concurrency=4) as engine:
+        engine.warm_up()
+        captured = set(runtime.decoder._graphs)
+        assert {key[0] for key in captured} == {1, 2, 3, 4}
+        assert engine.stats().memory.checkpoints == 0 and engine.stats().memory.selections.root == 0
+        outputs = [h.result(60).output_token_ids for h in [engine.submit(greedy(p, 8)) for p in prompts]]
+        assert set(runtime.decoder._graphs) == captured
+    assert outputs == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+import attrs
 import torch
 
 from ninfer.core.artifact.container import Artifact
@@ -17,6 +18,7 @@ from ninfer.core.runtime import (
     RecurrentLayerSpec,
     RuntimeSpec,
     StateCache,
+    WarmUpShapes,
     state_update_mask,
 )
 from ninfer.kernels.triton import triton_available
@@ -113,6 +115,32 @@ class Qwen35Runtime:
             logits=logits, hidden=selected if batch.return_hidden else None, states=captured, layer_hidden=layer_hidden
         )
 
+    def warm_up(self, kv: KVCache, state: StateCache, shapes: WarmUpShapes) -> None:
+        """Compile the CUDA prefill kernels for every length class a chunk can have (powers of two up to the chunk,
+        at root and continuing cached context) and capture the decode graph of every batch size at every page-table
+        width bucket; all on scratch (page 0, the first slots). Nothing to do on the reference (CPU) path."""
+        if self.decoder is None:
+            return
+        from ninfer.plugins.qwen3_5.cuda.decode_graph import MIN_PAGE_BUCKET
+
+        page_size = kv.page_size
+        chunk = shapes.prefill_chunk
+        lengths = sorted({*(1 << k for k in range(chunk.bit_length())), chunk})
+        for length, context in [*((n, 0) for n in lengths), (chunk, chunk)]:
+            self.forward(_scratch_batch([length], context, -(-(context + length) // page_size)), kv, state)
+        width = MIN_PAGE_BUCKET
+        while True:
+            for rows in range(1, shapes.max_rows + 1):
+                batch = _scratch_batch([1] * rows, min(width, shapes.max_pages) * page_size - 1, width)
+                stops = torch.tensor([[1, -1]] * rows, dtype=torch.int64, device=self.model.device)
+                ids = batch.token_ids.to(self.model.device)
+                self.forward(attrs.evolve(batch, token_ids=ids, state_update_stops=stops,
+                                          greedy_below=self.spec.vocab_size), kv, state)
+            if width >= shapes.max_pages:
+                break
+            width *= 2
+        torch.cuda.synchronize(self.model.device)
+
     def _check(self, batch: ForwardBatch, kv: KVCache, state: StateCache) -> None:
         if batch.logits not in ("last", "all", "none"):
             raise ForwardBatchError(f"logits must be 'last', 'all' or 'none', got {batch.logits!r}")
@@ -161,6 +189,19 @@ class Qwen35Runtime:
             )
         if low < 0 or high >= self.config.vocab_size:
             raise ForwardBatchError(f"token ids must be in [0, {self.config.vocab_size}); got {low}..{high}")
+
+
+def _scratch_batch(query_lens: list[int], context: int, width: int) -> ForwardBatch:
+    """Rows of ``query_lens`` zero tokens after ``context`` cached ones, every page table all page 0, slots 0..R-1."""
+    positions = torch.cat([torch.arange(context, context + length) for length in query_lens])
+    return ForwardBatch(
+        token_ids=torch.zeros(sum(query_lens), dtype=torch.int64),
+        positions=positions.expand(3, -1),
+        query_lens=query_lens,
+        context_lens=[context] * len(query_lens),
+        page_tables=torch.zeros(len(query_lens), width, dtype=torch.int32),
+        state_slots=torch.arange(len(query_lens)),
+    )
 
 
 def _slots_and_token_range(slots: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[int], int, int]:
