@@ -1,4 +1,4 @@
-"""The ``ninfer`` command line: serve, plugins list, artifact inspect, make-tiny, convert.
+"""The ``ninfer`` command line: serve, bench (and bench serve), plugins list, artifact inspect, make-tiny, convert.
 
 Every error that escapes a command is one line ``Error: <message>`` on stderr: exit status 2 for usage and
 configuration errors, 1 for everything else ninfer raises on purpose. The plugin manager is loaded once, lazily,
@@ -17,7 +17,8 @@ import click
 
 from ninfer import __version__
 from ninfer.bench.engine import bench_command
-from ninfer.core.config import ServeConfig, option_flag, serve_options
+from ninfer.bench.serve import serve_command as bench_serve_command
+from ninfer.core.config import ServeConfig, option_flag, registry_choices, serve_options
 from ninfer.core.errors import ArtifactError, ConfigError, NinferError
 from ninfer.core.plugins import PluginManager, process_plugin_manager
 
@@ -51,7 +52,7 @@ class RegistryChoice(click.Choice):
 
     @property
     def choices(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(getattr(plugin_manager().registries, self.registry))
+        return registry_choices(plugin_manager().registries, self.registry)
 
     @choices.setter
     def choices(self, _value: Sequence[str]) -> None:
@@ -151,7 +152,49 @@ def _serve(ctx: click.Context, artifact: str | None, print_config: bool, **optio
 
 
 cli.add_command(_serve_command())
-cli.add_command(bench_command)
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+class BenchGroup(click.Group):
+    """``ninfer bench``: an invocation whose first argument names a subcommand (``serve``) or asks for help runs
+    that; every other one (``ninfer bench [ARTIFACT] [options]``, ``--synthetic NAME``) is the engine benchmark
+    ``engine``, parsed and run exactly as the plain command. An artifact literally named like a subcommand needs a
+    path prefix (``./serve``)."""
+
+    def __init__(self, engine: click.Command, commands: Sequence[click.Command], **attrs: Any) -> None:
+        super().__init__(engine.name, commands=commands, **attrs)
+        self.engine = engine
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any):
+        help_names = parent.help_option_names if parent is not None else CONTEXT_SETTINGS["help_option_names"]
+        if args and (args[0] in self.commands or args[0] in help_names):
+            return super().make_context(info_name, args, parent=parent, **extra)
+        return self.engine.make_context(info_name, args, parent=parent, **extra)
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_usage(ctx.command_path, "[OPTIONS] [ARTIFACT]")
+        for name in self.list_commands(ctx):
+            formatter.write_usage(ctx.command_path, f"{name} [OPTIONS]", prefix="   or: ")
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The engine benchmark's options, then the subcommands."""
+        self.engine.format_options(click.Context(self.engine, info_name=ctx.info_name, parent=ctx.parent), formatter)
+        self.format_commands(ctx, formatter)
+
+
+cli.add_command(
+    BenchGroup(
+        bench_command,
+        [bench_serve_command],
+        help="Benchmarks. `ninfer bench [ARTIFACT] [options]` (the options below) runs synthetic prompts through "
+        "the resident Engine in this process, or with --synthetic NAME times a random-weight model of a real shape; "
+        "`ninfer bench serve [options]` is a client benchmark of a running server over HTTP (Chat Completions, "
+        "Responses or Messages; `ninfer bench serve --help`).",
+        short_help="Benchmark the engine offline (ARTIFACT, --synthetic) or a running server (serve).",
+    )
+)
 
 
 # -- plugins list ----------------------------------------------------------------------------------

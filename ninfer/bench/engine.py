@@ -14,20 +14,10 @@ from typing import Any, Sequence
 import attrs
 import click
 
+from ninfer.bench.stats import percentile
 from ninfer.core.errors import NinferError
 
 WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` (0..100) of ``values``; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @attrs.frozen
@@ -207,6 +197,7 @@ def bench_command(
     except NinferError as exc:
         raise click.ClickException(exc.message) from None
     try:
+        loaded.engine.warm_up()  # as the server does before it is ready: compiles and captures are not request time
         specials = loaded.tokenizer.special_token_ids
         vocab_limit = min([loaded.engine.vocab_limit or loaded.runtime.spec.vocab_size, *specials])
         rng = random.Random(seed)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 
 import attrs
 
+from ninfer.core.artifact.synthetic import SYNTHETIC_PRESETS, synthetic_family, synthetic_presets
 from ninfer.core.errors import ConfigError
 from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
 
@@ -59,8 +60,9 @@ class OptionSpec:
     """How one serve option is spelled, documented and checked.
 
     ``kind`` is ``flag`` (boolean switch), ``int``, ``float`` or ``text``; ``choices`` lists fixed choices and
-    ``registry`` names a :class:`Registries` table whose keys are the choices. ``default_text`` documents a
-    default that is not a plain value (derived or unset).
+    ``registry`` names a :class:`Registries` table whose keys are the choices, or :data:`SYNTHETIC_PRESETS` (the
+    presets of every model family; :func:`registry_choices` reads either). ``default_text`` documents a default
+    that is not a plain value (derived or unset).
     """
 
     help: str
@@ -128,6 +130,12 @@ def _one_of(choices: tuple[str, ...]) -> Check:
         raise _error(name, f"{value!r} is not one of: {', '.join(choices)}")
 
     return check
+
+
+def _synthetic_preset(name: str, value: Any, registries: Registries) -> str:
+    preset = _text(name, value, registries)
+    synthetic_family(preset, registries)
+    return preset
 
 
 def _kv_dtype(name: str, value: Any, registries: Registries) -> str:
@@ -235,12 +243,23 @@ def _switch(help: str) -> Any:
 class ServeConfig:
     """Every ``ninfer serve`` option, resolved. Build it with :meth:`ServeConfig.build`.
 
-    ``artifact`` is the model path (``None`` = the built-in demo); ``kv_capacity`` is a token count or the string
-    ``"auto"`` (resolved by the engine); unset sampler overrides are ``None``; ``argv`` is the invocation with the
-    API-key value replaced by ``<redacted>``.
+    ``artifact`` is the model path (``None``: the ``synthetic`` preset when one is given, else the built-in demo);
+    ``kv_capacity`` is a token count or the string ``"auto"`` (resolved by the engine); unset sampler overrides are
+    ``None``; ``argv`` is the invocation with the API-key value replaced by ``<redacted>``.
     """
 
     artifact: str | None = None
+    synthetic: str | None = _option(
+        None,
+        help="instead of ARTIFACT: a random-weight model of this named real configuration, served as "
+        "synthetic-NAME (no checkpoint: weights drawn on the device in the load dtype; the family's real tokenizer "
+        "and chat template); the presets of every model family",
+        kind="text",
+        check=_synthetic_preset,
+        registry=SYNTHETIC_PRESETS,
+        default_text="off",
+    )
+    synthetic_seed: int = _int(0, 0, INT64_MAX, help="seed of the --synthetic weights (same seed, same weights)")
     host: str = _option("127.0.0.1", help="listen address", kind="text", check=_text, metavar="H")
     port: int = _int(8080, 1, 65535, help="listen port")
     api_key: str | None = _option(
@@ -432,6 +451,14 @@ def serve_options() -> dict[str, tuple[attrs.Attribute, OptionSpec]]:
     }
 
 
+def registry_choices(registries: Registries, registry: str) -> tuple[str, ...]:
+    """The choices an option's ``registry`` names: a :class:`Registries` table's keys, or the synthetic presets of
+    every model family for :data:`SYNTHETIC_PRESETS`."""
+    if registry == SYNTHETIC_PRESETS:
+        return tuple(synthetic_presets(registries))
+    return tuple(getattr(registries, registry))
+
+
 def redact_argv(argv: Iterable[str]) -> tuple[str, ...]:
     """``argv`` with the value of ``--api-key KEY`` / ``--api-key=KEY`` replaced by ``<redacted>``."""
     redacted: list[str] = []
@@ -469,6 +496,14 @@ def _resolve_derived_defaults(values: dict[str, Any], given: dict[str, Any]) -> 
 def _check_combinations(
     values: dict[str, Any], given: dict[str, Any], registries: Registries, artifact: str | None
 ) -> None:
+    if values["synthetic"] is not None and artifact is not None:
+        raise ConfigError(
+            f"--synthetic {values['synthetic']} and the ARTIFACT argument {artifact!r} are mutually exclusive: "
+            "give one of them",
+            param="synthetic",
+        )
+    if "synthetic_seed" in given and values["synthetic"] is None:
+        raise ConfigError("--synthetic-seed requires --synthetic PRESET", param="synthetic_seed")
     if values["no_prefix_reuse"]:
         explicit = [option_flag(name) for name in CONTEXT_CACHE_OPTIONS if name in given]
         if explicit:

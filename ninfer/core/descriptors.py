@@ -6,7 +6,7 @@ yet leaves its factory as ``None``; selecting it fails at startup with :class:`N
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import attrs
 
@@ -57,6 +57,14 @@ class ModelFamily:
     sources, so ``ninfer convert`` and ``ninfer serve HF_DIR`` see one layout. It returns ``{}`` when the
     checkpoint already matches, and raises ``WeightMismatchError`` for a source it finds mis-shaped; missing
     sources are reported by the view.
+
+    ``synthetic_presets()`` (optional; light, no torch) names the real configurations this family builds with
+    random weights for ``ninfer serve --synthetic PRESET``; preset names are unique across families.
+    ``synthetic_source(preset, options, seed)`` returns a ``ModelSource`` of that preset: its tensors are drawn
+    deterministically from ``seed`` on ``options.device`` in the dtype ``load_runtime`` resolves from ``options``
+    (so loading copies nothing and no full-size copy touches disk or host memory), and its resources are the ones
+    a real artifact of the family embeds (tokenizer, chat template). The ordinary ``load_runtime`` and
+    ``build_frontend`` consume it like any artifact.
     """
 
     name: str
@@ -71,6 +79,8 @@ class ModelFamily:
     checkpoint_layout: (
         Callable[[Mapping[str, Any], Mapping[str, "TensorInfo"]], Mapping[str, "FusedTensor"]] | None
     ) = None
+    synthetic_presets: Callable[[], Sequence[str]] | None = None
+    synthetic_source: Callable[[str, "LoadOptions", int], "ModelSource"] | None = None
 
     def matches(self, manifest: "Manifest") -> bool:
         """True when the artifact's architecture (and text model_type, if declared) belongs to this family."""

@@ -38,7 +38,9 @@ def ninfer_model_families(registries: Registries) -> Sequence[ModelFamily]:
 
     A family recognizes artifacts by architecture, knows the tensor names and shapes of its checkpoints, builds
     the model runtime the engine drives and the frontend that renders prompts and decodes output
-    (:class:`~ninfer.core.descriptors.ModelFamily` lists every factory and its arguments).
+    (:class:`~ninfer.core.descriptors.ModelFamily` lists every factory and its arguments). A family may also
+    offer named random-weight presets of real configurations (``synthetic_presets`` / ``synthetic_source``), which
+    ``ninfer serve --synthetic PRESET`` serves without a checkpoint; a preset name must be unique across families.
 
     :param registries: the registry this family joins, still being filled. Take it only when a factory needs
         another plugin's descriptor (a family that reuses another family's frontend): keep it and look the

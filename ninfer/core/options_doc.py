@@ -51,7 +51,8 @@ def option_meaning(spec: OptionSpec) -> str:
     """The help text, plus where the choices come from when a plugin registry supplies them."""
     if spec.registry is None:
         return spec.help
-    return f"{spec.help}; one of the registered `{spec.registry}` (`ninfer plugins list`)"
+    listed = "`ninfer serve --help`" if spec.registry == "synthetic_presets" else "`ninfer plugins list`"
+    return f"{spec.help}; one of the registered `{spec.registry}` ({listed})"
 
 
 def options_markdown(options: Options | None = None) -> str:

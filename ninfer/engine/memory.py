@@ -32,7 +32,13 @@ from ninfer.core.runtime import KVCache, RuntimeSpec, StateCache
 from ninfer.engine.config import AUTO, AUTO_HEADROOM_BYTES, EngineConfig
 from ninfer.engine.events import DegradationUnit, Materialization, ReuseLimit
 from ninfer.engine.host_cache import (
-    MIB, HostCache, HostCheckpoint, HostTierCounters, SelectionCounters, page_extent_bytes, state_bytes,
+    MIB,
+    HostCache,
+    HostCheckpoint,
+    HostTierCounters,
+    SelectionCounters,
+    page_extent_bytes,
+    state_bytes,
 )
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix

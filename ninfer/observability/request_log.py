@@ -113,7 +113,7 @@ def server_start_fields(
             "public_model_id": config.model_id or manifest.identity.model_id,
             "family": family,
             "architecture": manifest.architecture,
-            "artifact": os.path.abspath(artifact_path),
+            "artifact": artifact_path if artifact_path.startswith("<") else os.path.abspath(artifact_path),
         },
         "capacities": {
             "max_context": config.max_context,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 import uvicorn
 
 from ninfer.core.artifact.source import open_model_source
+from ninfer.core.artifact.synthetic import open_synthetic_source
 from ninfer.core.drafting import SpeculativeConfig
 from ninfer.core.errors import ConfigError, NotYetAvailableError
 from ninfer.core.runtime import LoadOptions
@@ -28,8 +30,10 @@ from ninfer.observability.request_log import (
 from ninfer.observability.throughput import ThroughputCounters, ThroughputReporter
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ninfer.core.artifact.container import ModelSource
     from ninfer.core.config import ServeConfig
     from ninfer.core.plugins import PluginManager
+    from ninfer.engine import ContextCost
     from ninfer.server.app import ServerContext
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -121,6 +125,17 @@ def serve(config: "ServeConfig", plugins: "PluginManager") -> None:
             request_log.close()
 
 
+def context_cost(config: "ServeConfig", model_id: str) -> "ContextCost":
+    """The context-cost coefficients for the served model: generic, or from ``--context-cost-presets``."""
+    from ninfer.core.config import read_context_cost_presets
+    from ninfer.engine import resolve_context_cost
+
+    path = config.context_cost_presets
+    if path is None:
+        return resolve_context_cost(None, model_id)
+    return resolve_context_cost(read_context_cost_presets(path), model_id, origin=str(path))
+
+
 def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_log: "RequestLogWriter | None") -> None:
     from ninfer.engine import EngineConfig
     from ninfer.server.app import ServerContext, build_app
@@ -129,24 +144,17 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
     from ninfer.server.runner import listening_socket, make_server
 
     registries = plugins.registries
-    if config.artifact is None:
-        from ninfer.server.demo import demo_artifact_path
-
-        path = demo_artifact_path(registries)
-        log.info(f"no artifact given: serving the built-in tiny demo model {path} (its weights are random)")
-    else:
-        path = config.artifact
-    with open_model_source(path, registries) as artifact:
+    load_options = LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph)
+    path, source = _open_source(config, registries, load_options, log)
+    with source as artifact:
         manifest = artifact.manifest
         family = registries.family_for(manifest)
         log.info(f"loading {manifest.identity.model_id} ({family.name}, {manifest.architecture})")
         loaded = load_engine(
             artifact,
-            EngineConfig.from_serve_config(config),
+            EngineConfig.from_serve_config(config, context_cost=context_cost(config, manifest.identity.model_id)),
             registries=registries,
-            load_options=LoadOptions(
-                device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph
-            ),
+            load_options=load_options,
             speculative=speculative_config(config),
         )
         engine, runtime = loaded.engine, loaded.runtime
@@ -155,9 +163,16 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 f"model loaded: {len(runtime.spec.attention_layers)} attention + {len(runtime.spec.recurrent_layers)} "
                 f"recurrent layers on {runtime.spec.device}"
             )
-            if config.context_cost_presets is not None:
-                log.warning("context cache: cost-based checkpoint selection is not available yet (the longest exact "
-                            "match is taken); --context-cost-presets has no effect")
+            log.info("warming up: compiling kernels and capturing graphs for every batch size and prefill length")
+            began = time.perf_counter()
+            engine.warm_up()
+            log.info(f"warmed up in {time.perf_counter() - began:.1f} s")
+            cost = engine.config.context_cost
+            log.info(
+                f"context cost ({cost.source}): restore max({cost.transfer.batch_ns / 1e3:g} us + "
+                f"{cost.transfer.op_ns / 1e3:g} us per tensor, {1 / max(cost.transfer.ns_per_byte, 1e-12):g} B/ns), "
+                f"prefill {cost.prefill.token_ns / 1e3:g} us per token + {cost.prefill.pair_ns:g} ns per attention pair"
+            )
             frontend = family.require("build_frontend")(artifact, config, loaded.tokenizer)
             context = ServerContext(
                 config=config,
@@ -200,6 +215,25 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
         finally:
             engine.shutdown()
     log.info("stopped")
+
+
+def _open_source(
+    config: "ServeConfig", registries: Any, load_options: LoadOptions, log: Any
+) -> tuple[str, "ModelSource"]:
+    """What ``config`` serves, and its path as logged: the ``--synthetic`` preset (its weights drawn on the load
+    device in the load dtype when the loader reads them), the artifact, or the built-in demo."""
+    if config.synthetic is not None:
+        log.info(f"no checkpoint: serving synthetic preset {config.synthetic} with random weights "
+                 f"(seed {config.synthetic_seed}) drawn on {load_options.device}")
+        source = open_synthetic_source(config.synthetic, registries, load_options, seed=config.synthetic_seed)
+        return str(source.path), source
+    if config.artifact is None:
+        from ninfer.server.demo import demo_artifact_path
+
+        demo = demo_artifact_path(registries)
+        log.info(f"no artifact given: serving the built-in tiny demo model {demo} (its weights are random)")
+        return str(demo), open_model_source(demo, registries)
+    return config.artifact, open_model_source(config.artifact, registries)
 
 
 def speculative_config(config: "ServeConfig") -> SpeculativeConfig | None:

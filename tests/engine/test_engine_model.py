@@ -298,10 +298,10 @@ def test_after_warm_up_requests_capture_and_keep_nothing_new(tiny):
         tiny[0], LoadOptions(device="cuda", dtype="float32")
     )
     prompts = prompts_of([40, 9, 23, 70], seed=12)
-    with make_engine(tiny, runtime, max_concurrency=4, prefix_reuse=False) as engine:
+    with make_engine(tiny, runtime, max_concurrency=4, prefix_reuse=False, kv_capacity=4096) as engine:
         expected = [h.result(60).output_token_ids for h in [engine.submit(greedy(p, 8)) for p in prompts]]
     runtime.decoder.reset()
-    with make_engine(tiny, runtime, max_concurrency=4) as engine:
+    with make_engine(tiny, runtime, max_concurrency=4, kv_capacity=4096) as engine:
         engine.warm_up()
         captured = set(runtime.decoder._graphs)
         assert {key[0] for key in captured} == {1, 2, 3, 4}

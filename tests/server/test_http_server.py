@@ -8,8 +8,11 @@ so that waiting, prefilling and decoding are observable without timing assertion
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +25,7 @@ import pytest
 
 from ninfer.core.plugins import load_plugin_manager
 
-from live_server import API_KEY, ECHO_MODEL, LiveServer, sse_data, start_servers, tiny_artifact, words
+from live_server import API_KEY, ECHO_MODEL, LiveServer, free_port, sse_data, start_servers, tiny_artifact, words
 
 # -- fixtures ----------------------------------------------------------------------------------------------------
 
@@ -302,14 +305,27 @@ def test_startup_warns_about_nothing_the_user_did_not_set(secured, plain):
         assert " WARNING " not in startup, startup
 
 
-def test_an_option_without_effect_yet_warns_when_set(echo_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
-    presets = tmp_path_factory.mktemp("presets") / "presets.json"
-    presets.write_text("{}", encoding="utf-8")
-    [server] = start_servers(tmp_path_factory.mktemp("presets-server"),
-                             [(echo_artifact, ["--context-cost-presets", str(presets)], {})], [ECHO_MODEL])
+def test_context_cost_presets_are_resolved_at_startup(echo_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The presets file's transfer entry and the served model's prefill entry replace the generic coefficients (the
+    startup record says which); another model's entry is ignored; a wrong field aborts startup with one Error line."""
+    folder = tmp_path_factory.mktemp("presets")
+    presets = folder / "presets.json"
+    presets.write_text(json.dumps({
+        "transfer": {"batch_ns": 5000, "op_ns": 100, "ns_per_byte": 0.02},
+        "prefill": {ECHO_MODEL: {"token_ns": 12000, "pair_ns": 0.5}, "another-model": {"token_ns": 1}},
+    }), encoding="utf-8")
+    [server] = start_servers(folder, [(echo_artifact, ["--context-cost-presets", str(presets)], {})], [ECHO_MODEL])
     try:
         startup = server.log().split(" INFO ready: serving ")[0]
-        assert " WARNING context cache: cost-based checkpoint selection is not available yet" in startup
-        assert "--context-cost-presets has no effect" in startup
+        assert f"context cost ({presets} (transfer, prefill[{ECHO_MODEL}])): restore max(5 us + 0.1 us per tensor, " \
+               "50 B/ns), prefill 12 us per token + 0.5 ns per attention pair" in startup
+        assert " WARNING " not in startup
     finally:
         server.stop()
+    wrong = folder / "wrong.json"
+    wrong.write_text('{"transfer": {"gib_per_s": 50}}', encoding="utf-8")
+    result = subprocess.run([sys.executable, "-c", "from ninfer.cli import main; main()", "serve", str(echo_artifact),
+                             "--port", str(free_port()), "--context-cost-presets", str(wrong)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "Error: --context-cost-presets: transfer has unknown fields ['gib_per_s']" in result.stderr

@@ -19,7 +19,7 @@ import triton.language as tl
 from ninfer.kernels.triton.attention import _kv_offsets
 
 LOG2E = 1.4426950408889634
-BLOCK_M = 64
+BLOCK_M = 128
 BLOCK_N = 64
 
 
@@ -143,7 +143,7 @@ def paged_prefill_attention(
     scale: float,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """``paged_attention``'s contract: ``query [T, Hq, D]`` (the rows' new tokens in order; their KV is already in

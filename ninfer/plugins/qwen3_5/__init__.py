@@ -6,7 +6,7 @@ Submodules are imported lazily so that ``ninfer plugins list`` stays fast.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ninfer.core.descriptors import ModelFamily, SamplingPreset
 from ninfer.core.hookspecs import hookimpl
@@ -45,6 +45,29 @@ def _make_tiny(options: Any) -> Any:
     return make_tiny(options)
 
 
+def _synthetic_presets(architectures: tuple[str, ...]) -> Callable[[], tuple[str, ...]]:
+    def presets() -> tuple[str, ...]:
+        from ninfer.plugins.qwen3_5.model.presets import preset_names
+
+        return preset_names(architectures)
+
+    return presets
+
+
+def _synthetic_source(architectures: tuple[str, ...]) -> Callable[[str, Any, int], Any]:
+    def source(preset: str, options: Any, seed: int) -> Any:
+        from ninfer.core.errors import ConfigError
+        from ninfer.plugins.qwen3_5.model.presets import preset_names
+        from ninfer.plugins.qwen3_5.model.synthetic import synthetic_source
+
+        if preset not in preset_names(architectures):
+            raise ConfigError(f"this family has no synthetic preset {preset!r}; its presets: "
+                              f"{', '.join(preset_names(architectures))}", param="synthetic")
+        return synthetic_source(preset, options, seed)
+
+    return source
+
+
 def _sampling_presets(manifest: Any) -> Mapping[str, SamplingPreset]:
     from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 
@@ -66,6 +89,8 @@ def ninfer_model_families() -> list[ModelFamily]:
             architectures=DENSE_ARCHITECTURES,
             model_types=("qwen3_5_text", "qwen3_5"),
             description="Qwen3.5/3.6/3.8 dense hybrid Gated-DeltaNet (e.g. Qwen3.6-27B, Qwen3.8-27B)",
+            synthetic_presets=_synthetic_presets(DENSE_ARCHITECTURES),
+            synthetic_source=_synthetic_source(DENSE_ARCHITECTURES),
             **common,
         ),
         ModelFamily(
@@ -74,6 +99,8 @@ def ninfer_model_families() -> list[ModelFamily]:
             model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
             description="Qwen3.5/3.6 MoE hybrid Gated-DeltaNet (e.g. Qwen3.6-35B-A3B)",
             checkpoint_layout=_checkpoint_layout,  # per-expert checkpoints read as the fused expert layout
+            synthetic_presets=_synthetic_presets(MOE_ARCHITECTURES),
+            synthetic_source=_synthetic_source(MOE_ARCHITECTURES),
             **common,
         ),
     ]

@@ -14,6 +14,13 @@ from ninfer.core.errors import ConfigError
 from ninfer.plugins.qwen3_5.model.config import DENSE_CAUSAL, MOE_CAUSAL
 
 REAL_VOCAB_SIZE = 248320
+END_OF_TEXT = 248044
+IM_END = 248046
+#: What a real Qwen3.6 checkpoint's ``generation_config.json`` gives a served model (the end-of-turn and
+#: end-of-text ids, the card's sampling): a synthetic model is served with the same.
+GENERATION_DEFAULTS: dict[str, Any] = {
+    "eos_token_ids": [IM_END, END_OF_TEXT], "temperature": 1.0, "top_p": 0.95, "top_k": 20,
+}
 _ROPE = {
     "rope_type": "default",
     "rope_theta": 10_000_000,
@@ -34,7 +41,7 @@ _COMMON: dict[str, Any] = {
     "attention_bias": False,
     "tie_word_embeddings": False,
     "rope_parameters": _ROPE,
-    "eos_token_id": 248044,
+    "eos_token_id": END_OF_TEXT,
 }
 
 
@@ -98,8 +105,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_names() -> tuple[str, ...]:
-    return tuple(PRESETS)
+def preset_names(architectures: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """Every preset name, or those whose architecture is one of ``architectures`` (a family's presets)."""
+    return tuple(
+        name for name, config in PRESETS.items() if architectures is None or config["architectures"][0] in architectures
+    )
 
 
 def preset_config(name: str) -> dict[str, Any]:
