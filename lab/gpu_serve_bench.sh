@@ -18,7 +18,7 @@ URL=http://127.0.0.1:$PORT
 
 serve() {  # NAME [serve options]: start a server, wait until /health answers (or it exits)
   local name=$1; shift
-  python3 -m ninfer.cli serve --synthetic "$PRESET" --host 127.0.0.1 --port $PORT "$@" >"$OUT/server-$name.log" 2>&1 &
+  python3 -c "from ninfer.cli import main; main()" serve --synthetic "$PRESET" --host 127.0.0.1 --port $PORT "$@" >"$OUT/server-$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 600); do
     if python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$URL/health" 2>/dev/null; then grep -E "warmed up|context cost" "$OUT/server-$name.log"; return 0; fi
@@ -32,7 +32,7 @@ stop() { kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; }
 
 bench() {  # NAME [bench serve options]
   local name=$1; shift
-  python3 -m ninfer.cli bench serve --base-url $URL --json "$@" >"$OUT/bench-$name.json" 2>"$OUT/bench-$name.err" \
+  python3 -c "from ninfer.cli import main; main()" bench serve --base-url $URL --json "$@" >"$OUT/bench-$name.json" 2>"$OUT/bench-$name.err" \
     || { echo "bench $name failed"; cat "$OUT/bench-$name.err"; }
 }
 

@@ -184,7 +184,10 @@ class GenerationRequest:
     ``checkpoint_offsets`` are prompt frontiers (token counts) where prefill stops a chunk and captures a reusable
     checkpoint (explicit cache breakpoints); ``continuation_offsets`` are the same for the frontiers where the
     conversation's next request stops sharing this prompt (before the response's prologue, before the open turn);
-    ``anchor_offsets`` are long-context recovery points further back.
+    ``anchor_offsets`` are long-context recovery points further back. ``endpoint_reuse_tokens`` says when the
+    finished request's endpoint is worth keeping: None, always (its output re-renders token-exactly in the next
+    prompt); a tuple, only when the output contains one of these tokens (e.g. a tool call, after which the client
+    continues the same turn): otherwise the endpoint is kept as the first checkpoint to evict.
     Frontiers outside the computed part of the prompt, or at its end, are ignored. ``session`` marks the request
     as part of an engine-local reuse session (see :class:`SessionKey`).
     """
@@ -198,6 +201,7 @@ class GenerationRequest:
     session: SessionKey | None = attrs.field(default=None, validator=_check_session)
     continuation_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
     anchor_offsets: tuple[int, ...] = attrs.field(default=(), converter=_frontiers)
+    endpoint_reuse_tokens: tuple[int, ...] | None = None
 
     @property
     def frontiers(self) -> tuple[int, ...]:

@@ -48,6 +48,14 @@ SHARED: ReusePath = "shared_stable_prefix"
 ANCHOR: ReusePath = "private_long_anchor"
 
 
+def _endpoint_reusable(seq: Sequence) -> bool:
+    """Whether ``seq``'s endpoint is likely a prefix of the conversation's next prompt (its request's hint)."""
+    markers = seq.request.endpoint_reuse_tokens
+    if markers is None:
+        return True
+    return not set(markers).isdisjoint(seq.tokens[seq.prompt_len :])
+
+
 def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: DrafterMemory | None = None) -> int:
     """The KV pool size in tokens: explicit, or ``auto`` (CUDA: free memory less 1 GiB; CPU: C * max_context).
 
@@ -524,6 +532,7 @@ class EngineMemory:
             kept = self.cache.capture(
                 seq.tokens[: seq.fed], seq.pages, seq.slot, seq.last_logits, take_slot=True, session=endpoint_of,
                 drafter_snapshot=self._drafter_snapshot(seq), continuation=seq.continuation,
+                superseded=endpoint_of is None and not _endpoint_reusable(seq),
             )
             if kept:
                 self.selections = self.selections.add(captures=1)

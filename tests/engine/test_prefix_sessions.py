@@ -290,3 +290,32 @@ def test_an_edit_behind_the_recent_frontiers_resumes_from_a_long_anchor(limit, e
         edited = anchored(engine, [*history[:60], 96, 95, 94], (40, 80))
         assert (edited.cached_tokens, edited.reuse_path) == expected
         assert engine.stats().memory.selections.long_anchors_dropped == (2 - limit)
+
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+CALLED = oracle_greedy(PROMPT, 4)[1]  # a token the answer emits (as a tool-call opener would be)
+
+
+@pytest.mark.parametrize("hint, survivor", [(None, "endpoint"), ((), "frontier"), ((7,), "frontier"),
+                                            ((7, CALLED), "endpoint")],
+                         ids=["resent-as-generated", "re-rendered", "no-marker-in-output", "marker-in-output"])
+def test_an_endpoint_the_next_prompt_will_not_repeat_is_evicted_before_the_prompts_frontier(hint, survivor):
+    """A closed turn that re-renders differently (``endpoint_reuse_tokens`` without a match in the output) keeps
+    its endpoint only as a first-to-evict checkpoint, so the response-prologue frontier the next turn needs outlives
+    it; an endpoint the client resends as generated is an ordinary (younger) checkpoint and outlives the frontier."""
+    engine = Engine(ChecksumRuntime(), EngineConfig(max_concurrency=1, device_state_slots=3, max_context=256,
+                                                    page_size=PAGE, prefill_chunk=16, pending_timeout_ms=None))
+    prompt = PROMPT
+    frontier = len(prompt) - 3  # where the next prompt stops sharing this one (before the response's prologue)
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=4, temperature=0.0),
+                                continuation_offsets=(frontier,), endpoint_reuse_tokens=hint)
+    outcome = engine.submit(request).result(10)
+    assert 7 not in outcome.output_token_ids
+    cache = engine._memory.cache
+    endpoint = len(prompt) + 4 - 1
+    assert sorted(len(entry.tokens) for entry in cache.entries) == [frontier, len(prompt), endpoint]
+    cache.evict()  # the prompt end (it only serves an exact repeat)
+    cache.evict()
+    [left] = [len(entry.tokens) for entry in cache.entries]
+    assert left == {"endpoint": endpoint, "frontier": frontier}[survivor]
+    engine.shutdown()

@@ -29,6 +29,7 @@ from ninfer.plugins.qwen3_5.frontend.frontiers import (
 )
 from ninfer.plugins.qwen3_5.frontend.output_parser import (
     THINK_CLOSE,
+    TOOL_CALL_OPEN,
     OutputDecoderError,
     QwenOutputDecoder,
     thinking_budget_control_text,
@@ -164,6 +165,11 @@ class QwenFrontend:
         self._policy = config.request_policy
         self._tokenizer = tokenizer
         self._encoder = PromptEncoder(tokenizer)
+        # a closed turn re-renders without its reasoning (and without the thinking-off prologue) unless history
+        # keeps it: only a response that calls a tool, which the client answers within the same turn, is resent
+        # as generated
+        tool_call = tokenizer.token_to_id(TOOL_CALL_OPEN)
+        self._tool_call_tokens = () if tool_call is None else (tool_call,)
         manifest = artifact.manifest
         self.template = ChatTemplate(artifact.resource_text(CHAT_TEMPLATE_RESOURCE),
                                      name=f"{artifact.path}:{CHAT_TEMPLATE_RESOURCE}")
@@ -205,6 +211,7 @@ class QwenFrontend:
             ),
             continuation_offsets=continuation_frontiers(text, starts),
             anchor_offsets=long_anchors(text, starts),
+            endpoint_reuse_tokens=None if rendered.preserve_thinking else self._tool_call_tokens,
         )
         return PreparedRequest(
             request=request,
