@@ -5,7 +5,8 @@
 #   steps (comma-separated, default ttft,multiturn):
 #     ttft       8K-token prompts at concurrency 1 (TTFT p50/p90/p99, the first request included) at the default
 #                --prefill-chunk 1024 and in one chunk (--prefill-chunk 8192)
-#     multiturn  8 agent conversations x 20 turns on a 20,000-token shared system prompt (cached share, TTFT)
+#     multiturn  8 agent conversations x 20 turns on a 20,000-token shared system prompt (cached share, TTFT); the KV
+#                pool holds all eight conversations (--kv-capacity follows --max-context unless given)
 #     decode     batch-1 and 8-stream decode through the server (TPOT, output throughput)
 # Each server's log and each benchmark's JSON land in OUT_DIR; a summary table is printed last.
 set -u
@@ -46,7 +47,7 @@ case ",$STEPS," in *,ttft,*)
 esac
 
 case ",$STEPS," in *,multiturn,*)
-  if serve multiturn --max-concurrency 8 --max-context 40960; then
+  if serve multiturn --max-concurrency 8 --max-context 40960 --kv-capacity 524288; then
     bench multiturn --endpoint chat --dataset multiturn --turns 20 --system-prompt-len 20000 --input-len 200 \
       --output-len 64 --num-requests 8 --concurrency 8
     stop
