@@ -215,8 +215,8 @@ def _slots_and_token_range(slots: torch.Tensor, token_ids: torch.Tensor) -> tupl
     return slots.tolist(), int(low), int(high)
 
 
-def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
-    """Build the runtime from an opened artifact: checks every tensor, loads the trunk and (if present) MTP."""
+def load_target(options: LoadOptions) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device weights load as (``auto``: bf16 on CUDA, fp32 on the CPU); a ConfigError if unusable."""
     try:
         dtype = options.torch_dtype()
         device = torch.device(options.device)
@@ -224,6 +224,12 @@ def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
         raise ConfigError(f"invalid load options {options!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {options.device!r} was requested but CUDA is not available")
+    return dtype, device
+
+
+def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
+    """Build the runtime from an opened artifact: checks every tensor, loads the trunk and (if present) MTP."""
+    dtype, device = load_target(options)
     config = Qwen35TextConfig.from_hf(artifact.manifest.config, artifact.manifest.architecture)
     loader = WeightLoader(artifact, dtype, device)
     model = Qwen35Model.load(loader, config)

@@ -26,7 +26,7 @@ from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig, resolve_archit
 from ninfer.plugins.qwen3_5.model.layers import DecoderLayerWeights
 from ninfer.plugins.qwen3_5.model.model import Qwen35Model, WeightLoader
 from ninfer.plugins.qwen3_5.model.presets import GENERATION_DEFAULTS, preset_config
-from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime, accelerate
+from ninfer.plugins.qwen3_5.model.runtime import Qwen35Runtime, accelerate, load_target
 from ninfer.plugins.qwen3_5.model.weights import Shapes, expected_weights, mtp_weights
 from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 
@@ -151,13 +151,7 @@ class SyntheticSource(ModelSource):
 def synthetic_source(preset: str, options: LoadOptions, seed: int = 0) -> SyntheticSource:
     """``ModelFamily.synthetic_source``: preset ``preset`` for ``options`` (weights on ``options.device`` in the dtype
     ``load_runtime`` resolves: ``auto`` is bf16 on CUDA, fp32 on the CPU)."""
-    try:
-        dtype = options.torch_dtype()
-        device = torch.device(options.device)
-    except (KeyError, RuntimeError) as exc:
-        raise ConfigError(f"invalid load options {options!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {options.device!r} was requested but CUDA is not available")
+    dtype, device = load_target(options)
     return SyntheticSource(preset, device=device, dtype=dtype, seed=seed)
 
 
