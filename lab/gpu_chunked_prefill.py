@@ -51,7 +51,8 @@ def attention_table(config, length: int, chunk: int) -> None:  # type: ignore[no
         query = torch.randn(q_len, heads, dim, device="cuda", dtype=torch.bfloat16)
         args = (query, keys, values, table, [q_len], [context])
         reference = sdpa_paged_attention(*args, scale=dim**-0.5)
-        line = [f"attention {label} q={q_len} ctx={context}: sdpa {cuda_ms(lambda: sdpa_paged_attention(*args, scale=dim**-0.5)):.3f} ms"]
+        sdpa_ms = cuda_ms(lambda: sdpa_paged_attention(*args, scale=dim**-0.5))
+        line = [f"attention {label} q={q_len} ctx={context}: sdpa {sdpa_ms:.3f} ms"]
         for block_m, block_n, warps, stages in CONFIGS:
             def run():  # type: ignore[no-untyped-def]
                 return paged_prefill_attention(*args, scale=dim**-0.5, block_m=block_m, block_n=block_n,
