@@ -116,8 +116,8 @@ class Qwen35Runtime:
         )
 
     def warm_up(self, kv: KVCache, state: StateCache, shapes: WarmUpShapes) -> None:
-        """Compile the CUDA prefill kernels for every length class a chunk can have (powers of two up to the chunk,
-        at root and continuing cached context) and capture the decode graph of every batch size at every page-table
+        """Compile the CUDA prefill kernels for every length class a chunk can have (powers of two up to the chunk
+        at root; continuing cached context at lengths and contexts that are and are not multiples of 16) and capture the decode graph of every batch size at every page-table
         width bucket; all on scratch (page 0, the first slots). Nothing to do on the reference (CPU) path."""
         if self.decoder is None:
             return
@@ -126,7 +126,10 @@ class Qwen35Runtime:
         page_size = kv.page_size
         chunk = shapes.prefill_chunk
         lengths = sorted({*(1 << k for k in range(chunk.bit_length())), chunk})
-        for length, context in [*((n, 0) for n in lengths), (chunk, chunk)]:
+        # Triton specializes integer arguments on divisibility by 16: continuing chunks of both kinds of length
+        # after both kinds of context
+        continuing = [(length, context) for length in (chunk, 3) for context in (chunk, chunk + 5)]
+        for length, context in [*((n, 0) for n in lengths), *continuing]:
             self.forward(_scratch_batch([length], context, -(-(context + length) // page_size)), kv, state)
         width = MIN_PAGE_BUCKET
         while True:
