@@ -76,15 +76,16 @@ def turn_openings(text: str, starts: Sequence[int]) -> tuple[tuple[int, int], ..
     return tuple(openings)
 
 
-def long_anchors(text: str, starts: Sequence[int]) -> tuple[int, ...]:
+def long_anchors(openings: Sequence[tuple[int, int]], tokens: int) -> tuple[int, ...]:
     """Recovery points of a long conversation: for every multiple of ANCHOR_STEP tokens, the last turn opening at
     or before it. The grid is absolute, so the anchors a growing conversation passes stay the same turn after
     turn: prefill captures each once, when it first computes through it, and a history edited or truncated far
     from its end falls back to the nearest retained anchor before the edit rather than to root (the engine keeps
-    the most recent few per conversation)."""
-    turn_starts = [frontier for _cut, frontier in turn_openings(text, starts)]
+    the most recent few per conversation). ``openings`` are the prompt's :func:`turn_openings`, ``tokens`` its
+    length."""
+    turn_starts = [frontier for _cut, frontier in openings]
     anchors = set()
-    for boundary in range(ANCHOR_STEP, len(starts), ANCHOR_STEP):
+    for boundary in range(ANCHOR_STEP, tokens, ANCHOR_STEP):
         index = bisect.bisect_right(turn_starts, boundary) - 1
         if index >= 0:
             anchors.add(turn_starts[index])

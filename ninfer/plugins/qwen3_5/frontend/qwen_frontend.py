@@ -11,7 +11,7 @@ template without tiers ignores it; ``--strict-effort`` rejects an unexposed valu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
 
@@ -35,7 +35,7 @@ from ninfer.plugins.qwen3_5.frontend.output_parser import (
     thinking_budget_control_text,
 )
 from ninfer.plugins.qwen3_5.frontend.prompt import INVALID_PROMPT, lower, tool_specs
-from ninfer.plugins.qwen3_5.frontend.prompt_tokens import PromptEncoder
+from ninfer.plugins.qwen3_5.frontend.prompt_tokens import EncodedPrompt, PromptEncoder
 from ninfer.plugins.qwen3_5.frontend.sampling import sampling_presets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -193,7 +193,8 @@ class QwenFrontend:
     def prepare(self, conversation: Conversation, options: GenerationOptions) -> PreparedRequest:
         """Render and tokenize ``conversation`` and resolve the request the engine executes."""
         rendered = self.render(conversation)
-        token_ids, starts, text = self._encode(rendered)
+        encoded = self._encode(rendered)
+        token_ids, starts, text = encoded.ids, encoded.starts, encoded.text
         self._policy.check_prompt(len(token_ids))
         output_budget = self._policy.output_budget(options.max_tokens, len(token_ids))
         preset = self._presets[rendered.mode.thinking]
@@ -210,7 +211,7 @@ class QwenFrontend:
                 *filter(None, (shared_prefix_frontier(text, starts),)),
             ),
             continuation_offsets=continuation_frontiers(text, starts),
-            anchor_offsets=long_anchors(text, starts),
+            anchor_offsets=long_anchors(encoded.turns, len(token_ids)),
             endpoint_reuse_tokens=None if rendered.preserve_thinking else self._tool_call_tokens,
         )
         return PreparedRequest(
@@ -272,7 +273,7 @@ class QwenFrontend:
     # -- cache breakpoints --------------------------------------------------------------------------------------
 
     def _checkpoint_offsets(self, conversation: Conversation, rendered: RenderedPrompt, text: str,
-                            starts: list[int]) -> tuple[int, ...]:
+                            starts: Sequence[int]) -> tuple[int, ...]:
         """Exact token frontiers after the turns that carry an explicit cache breakpoint (the latest four).
 
         A turn's frontier is where the next turn would open. The prefix is rendered with a probe user turn after
@@ -329,11 +330,11 @@ class QwenFrontend:
         self._refuse_media(rendered)
         return self._encoder.encode(rendered.text).ids
 
-    def _encode(self, rendered: RenderedPrompt) -> tuple[tuple[int, ...], list[int], str]:
-        """The prompt's token ids, where each starts in the normalized text, and that text (for its frontiers)."""
+    def _encode(self, rendered: RenderedPrompt) -> EncodedPrompt:
+        """The prompt's token ids, where each starts in the normalized text, that text and its turn openings (for
+        its frontiers)."""
         self._refuse_media(rendered)
-        encoded = self._encoder.encode(rendered.text)
-        return encoded.ids, list(encoded.starts), encoded.text
+        return self._encoder.encode(rendered.text)
 
     @staticmethod
     def _refuse_media(rendered: RenderedPrompt) -> None:
