@@ -31,6 +31,7 @@ from ninfer.engine.config import EngineConfig
 from ninfer.engine.events import AdmittedEvent, ProgressEvent
 from ninfer.engine.host_work import Detail, HostPhase, HostWorkClock, HostWorkTotals, RequestHostWork, WorkClass
 from ninfer.engine.memory import EngineMemory
+from ninfer.engine.prefix_cache import common_prefix
 from ninfer.engine.sampler import plain_greedy, sample_token_ids, sample_tokens
 from ninfer.engine.scheduler import DecodeStep, PrefillStep, Scheduler
 from ninfer.engine.sequence import Sequence
@@ -239,6 +240,8 @@ class Executor:
                 self._finish(seq, Finish("cancelled"))
                 clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
         while (head := self.scheduler.head_admissible()) is not None:
+            if self._awaits_capture(head, now):
+                break
             with clock.detail(Detail.ADMISSION):
                 admitted = self.memory.try_admit(head, reuse=self.config.prefix_reuse)
                 if admitted:
@@ -250,6 +253,26 @@ class Executor:
                 self._after_prompt(head)
                 clock.charge(self._lanes())
                 clock.switch(HostPhase.ENGINE_BOUNDARY, WorkClass.CONTROL)
+
+    def _awaits_capture(self, head: Sequence, now: float) -> bool:
+        """Whether the waiting head stays queued until the request now prefilling captures a checkpoint of a prefix
+        they share, beyond what the head could reuse today (many conversations sending one system prompt at once).
+
+        Prefill runs one request at a time, so the head could not start before that capture anyway; admitted after
+        it, the head resumes from it instead of prefilling the same prefix again. It does not wait when the
+        capture is predicted (by the prefill cost) to come after its pending deadline."""
+        if not self.config.prefix_reuse:
+            return False
+        prompt = head.prompt
+        for seq in self.scheduler.prefilling:
+            shared = min(common_prefix(seq.prompt, prompt), seq.prompt_len - 1, len(prompt) - 1)
+            frontier = max((offset for offset in seq.request.frontiers if seq.fed < offset <= shared), default=None)
+            if frontier is None or frontier <= self.memory.reusable_tokens(prompt):
+                continue
+            wait_s = self.memory.cost.prefill.ns(seq.fed, frontier - seq.fed) / 1e9
+            if head.ticket.deadline is None or now + wait_s < head.ticket.deadline:
+                return True
+        return False
 
     def _lanes(self) -> list[RequestHostWork]:
         """The exposure records of the requests holding a lane (the members of a boundary pass)."""

@@ -41,7 +41,7 @@ from ninfer.engine.host_cache import (
     state_bytes,
 )
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
-from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix
+from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix, longest_prefix
 from ninfer.engine.sequence import Sequence
 
 SHARED: ReusePath = "shared_stable_prefix"
@@ -137,7 +137,7 @@ class EngineMemory:
         self.slots = SlotPool(num_slots)
         self.host = HostCache(
             config.host_state_slots if config.checkpoint_slots else 0, config.host_kv_mib * MIB, self.state,
-            self.page_size,
+            self.page_size, 0 if drafter is None or drafter.resume is None else drafter.resume.rewritten_positions,
         )
         self.cache = PrefixCache(
             config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state,
@@ -194,6 +194,12 @@ class EngineMemory:
         self.selections = SelectionCounters()
         self.last_frontier = None
         self._continuation_used.clear()
+
+    def reusable_tokens(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` a retained checkpoint of either tier covers (recency untouched)."""
+        device = longest_prefix(self.cache.entries, prompt)
+        host = self.host.matches(prompt, len(device.tokens) if device is not None else 0)
+        return max([len(device.tokens) if device is not None else 0, *(len(entry.tokens) for entry in host)])
 
     @property
     def _page_extent(self) -> int:

@@ -143,6 +143,24 @@ def test_checkpoint_offsets_capture_reusable_frontiers():
     engine.shutdown()
 
 
+def test_requests_queued_behind_a_shared_prefix_prefill_resume_from_its_checkpoint():
+    """Four conversations sent at once with one system prompt: the first prefills it, the rest wait for its
+    checkpoint and resume there (without the wait they would start at root, prefilling the prefix again)."""
+    runtime = ChecksumRuntime()
+    gate = GatedRuntime(runtime)
+    engine = make_engine(gate, max_concurrency=4, prefill_chunk=16)
+    shared = prompts_of([40], seed=13)[0]
+    prompts = [shared + [index + 1, 7, index + 3] for index in range(4)]
+    handles = [engine.submit(GenerationRequest(p, SamplingParams(max_tokens=4, **GREEDY), checkpoint_offsets=(40,)))
+               for p in prompts]  # the first request's first chunk waits at the gate until all are queued
+    gate.open()
+    outcomes = [handle.result(10) for handle in handles]
+    assert [o.cached_tokens for o in outcomes] == [0, 40, 40, 40]
+    assert [o.output_token_ids for o in outcomes] == [tuple(oracle_greedy(p, 4)) for p in prompts]
+    assert idle(engine)
+    engine.shutdown()
+
+
 def test_checkpoint_offsets_are_ignored_without_prefix_reuse():
     engine = make_engine(page_size=4, prefix_reuse=False)
     prompt = prompts_of([12], seed=12)[0]

@@ -13,18 +13,18 @@ import random
 
 import pytest
 import torch
+from engine_fakes import ChecksumRuntime, idle, oracle_greedy
 
+from ninfer.core.errors import ConfigError
 from ninfer.core.request import GenerationRequest, SamplingParams
-
+from ninfer.core.runtime import KVCache, StateCache
 from ninfer.engine import Engine, EngineConfig
 from ninfer.engine.context_cost import ContextCost, TransferCost
 from ninfer.engine.host_cache import HostCache, HostTierCounters, page_extent_bytes
 from ninfer.engine.memory import EngineMemory
+from ninfer.engine.pages import pages_for
 from ninfer.engine.prefix_cache import Checkpoint
-from ninfer.core.errors import ConfigError
 from ninfer.observability.throughput import IntervalCounts, throughput_fields
-from ninfer.core.runtime import KVCache, StateCache
-from engine_fakes import ChecksumRuntime, idle, oracle_greedy
 
 PAGE = 4
 
@@ -35,17 +35,34 @@ PAGE = 4
 class Device:
     """Small device-side caches (Main + one companion) filled with distinct values, and a host tier over them."""
 
-    def __init__(self, state_slots: int, budget_pages: int, slots: int = 4, pages: int = 16) -> None:
+    def __init__(
+        self, state_slots: int, budget_pages: int, slots: int = 4, pages: int = 16, rewritten_positions: int = 0
+    ) -> None:
         self.state = StateCache(conv=[torch.randn(slots, 3, 2)], ssm=[torch.randn(slots, 2, 2, 2)])
         self.main = KVCache(PAGE, key=[torch.randn(pages, PAGE, 1, 2)], value=[torch.randn(pages, PAGE, 1, 2)])
         self.companion = KVCache(PAGE, key=[torch.randn(pages, PAGE, 2, 2)], value=[torch.randn(pages, PAGE, 2, 2)])
         self.caches = (self.main, self.companion)
         self.extent = page_extent_bytes(self.caches)
-        self.host = HostCache(state_slots, budget_pages * self.extent, self.state, PAGE)
+        self.state_bytes = sum(t[0].numel() * t.element_size() for t in (*self.state.conv, *self.state.ssm))
+        self.host = HostCache(state_slots, budget_pages * self.extent, self.state, PAGE, rewritten_positions)
 
-    def store(self, tokens: list[int], pages: list[int], slot: int = 0, session: str | None = None) -> bool:
-        checkpoint = Checkpoint(tuple(tokens), pages, slot, torch.zeros(3), last_used=0, session=session)
+    def store(
+        self, tokens: list[int], pages: list[int], slot: int = 0, session: str | None = None, drafter: object = None
+    ) -> bool:
+        checkpoint = Checkpoint(tuple(tokens), pages, slot, torch.zeros(3), last_used=0, session=session,
+                                drafter=drafter)
         return self.host.store(checkpoint, self.state, self.caches)
+
+    def image(self, pages: list[int], slot: int) -> list[torch.Tensor]:
+        """A copy of what a checkpoint on ``pages`` and ``slot`` holds: every cache's KV pages, then its state."""
+        kv = [tensor[pages].clone() for cache in self.caches for tensor in (*cache.key, *cache.value)]
+        return kv + [tensor[slot].clone() for tensor in (*self.state.conv, *self.state.ssm)]
+
+    def restores_exactly(self, tokens: list[int], expected: list[torch.Tensor], pages: list[int], slot: int) -> bool:
+        """Restore the host checkpoint of ``tokens`` into other ``pages`` and ``slot``: bit-equal to ``expected``?"""
+        entry = next(entry for entry in self.host.entries if entry.tokens == tuple(tokens))
+        self.host.restore(entry, self.state, slot, self.caches, pages)
+        return all(torch.equal(a, b) for a, b in zip(self.image(pages, slot), expected, strict=True))
 
     def longest(self, prompt: list[int], longer_than: int = 0):  # type: ignore[no-untyped-def]
         """The longest matching host checkpoint, marked used (what admission selects when transfers are cheap)."""
@@ -150,6 +167,120 @@ def test_storing_an_identical_checkpoint_keeps_one_copy_and_moves_the_endpoint()
     assert device.longest(tokens(0, 4)).session is None
     assert device.store(tokens(0, 4), [0])
     assert len(device.host) == 2 and device.host.counters.spills == 2
+
+
+# A conversation's prompt of 3 whole pages; checkpoints of it resumed on the device reference its pages 0-2.
+PROMPT = tokens(0, 3 * PAGE)
+
+
+def sharing_pair(device: Device) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """Store A (the prompt + 2 tokens) and B (the prompt + 5 other tokens); what each held on the device."""
+    a, b = PROMPT + [90, 91], PROMPT + tokens(50, 5)
+    assert device.store(a, [0, 1, 2, 3], slot=0) and device.store(b, [0, 1, 2, 8, 9], slot=1)
+    return {tuple(a): device.image([0, 1, 2, 3], 0), tuple(b): device.image([0, 1, 2, 8, 9], 1)}
+
+
+def test_a_checkpoint_sharing_a_prefix_copies_only_its_own_pages_and_both_restore_exactly():
+    device = Device(state_slots=4, budget_pages=16)
+    images = sharing_pair(device)
+    copied = (4 + 2) * device.extent  # A's 4 pages, then only B's 2 pages after the shared prompt
+    assert device.host.used_kv_bytes == copied
+    assert device.host.counters.bytes_to_host == copied + 2 * device.state_bytes
+    (a, a_image), (b, b_image) = images.items()
+    assert device.restores_exactly(list(a), a_image, [10, 11, 12, 13], slot=2)
+    assert device.restores_exactly(list(b), b_image, [14, 15, 4, 5, 6], slot=3)
+    assert device.host.counters.bytes_to_device == (4 + 5) * device.extent + 2 * device.state_bytes
+
+
+@pytest.mark.parametrize("first, kept_pages", [(0, 6), (1, 4)], ids=["sharer-first", "sharing-first"])
+def test_removing_a_checkpoint_frees_only_the_pages_no_other_references(first, kept_pages):
+    device = Device(state_slots=4, budget_pages=16)
+    images = list(sharing_pair(device).items())
+    assert device.host.used_kv_bytes == 6 * device.extent
+    removed, (survivor, image) = images[first], images[1 - first]
+    device.host.remove(next(entry for entry in device.host.entries if entry.tokens == removed[0]))
+    # A's pages stay while B references its prompt pages; B's own pages go with B
+    assert device.host.used_kv_bytes == kept_pages * device.extent
+    targets = [10, 11, 12, 13, 14][: pages_for(len(survivor), PAGE)]
+    assert device.restores_exactly(list(survivor), image, targets, slot=2)
+    device.host.remove(device.host.entries[0])
+    assert device.host.used_kv_bytes == 0
+
+
+@pytest.mark.parametrize("held_tokens", [PROMPT, PROMPT + tokens(80, 4)], ids=["prefix", "diverging"])
+def test_pages_holding_positions_a_resumed_drafter_rewrites_are_copied(held_tokens):
+    """MTP's entry for position p depends on token p + 1: at the held checkpoint's end, or where the two diverge,
+    the page holding the last common position differs (here: page 4 on the device, not the held page 2)."""
+    device = Device(state_slots=4, budget_pages=16, rewritten_positions=1)
+    held_pages = [0, 1, 2, 3][: len(held_tokens) // PAGE]
+    assert device.store(held_tokens, held_pages, slot=0, drafter="snapshot")
+    checkpoint = PROMPT + tokens(50, 5)
+    assert device.store(checkpoint, [0, 1, 4, 5, 6], slot=1, drafter="snapshot")
+    assert device.host.used_kv_bytes == (len(held_pages) + 3) * device.extent  # 2 pages shared, 3 copied
+    assert device.restores_exactly(checkpoint, device.image([0, 1, 4, 5, 6], 1), [8, 9, 10, 11, 12], slot=2)
+
+
+def test_a_checkpoint_with_a_drafter_snapshot_shares_pages_only_with_one_that_has_a_snapshot():
+    """A checkpoint without a snapshot may hold unwritten drafter entries; one with a snapshot vouches for them."""
+    device = Device(state_slots=4, budget_pages=16)
+    assert device.store(PROMPT, [0, 1, 2], slot=0)
+    assert device.store(PROMPT + [7] * PAGE, [0, 1, 2, 3], slot=1, drafter="snapshot")  # copies all 4 pages
+    assert device.store(PROMPT + [8] * PAGE, [0, 1, 2, 4], slot=2)  # shares the prompt, copies 1 page
+    assert device.host.used_kv_bytes == (3 + 4 + 1) * device.extent
+
+
+def three_conversations(device: Device) -> list[list[int]]:
+    """Three conversations on the prompt, each with a 2-page tail of its own (device pages 3-8), stored in order."""
+    conversations = [PROMPT + tokens(100 * (index + 1), 5) for index in range(3)]
+    for index, conversation in enumerate(conversations):
+        assert device.store(conversation, [0, 1, 2, 3 + 2 * index, 4 + 2 * index], slot=index)
+    return conversations
+
+
+def test_conversations_sharing_a_prompt_fit_where_full_copies_would_not():
+    device = Device(state_slots=4, budget_pages=9)  # the prompt once and three tails; two full copies need 10
+    conversations = three_conversations(device)
+    assert device.held() == sorted(tuple(conversation) for conversation in conversations)
+    assert device.host.used_kv_bytes == 9 * device.extent and device.host.counters.evictions == 0
+
+
+def test_making_room_evicts_until_the_bytes_are_really_free():
+    device = Device(state_slots=4, budget_pages=9)
+    conversations = three_conversations(device)
+    image = device.image([0, 1, 2, 7, 8], 2)
+    other = tokens(500, 2 * PAGE)
+    assert device.store(other, [9, 10], slot=3)
+    # evicting the oldest conversation frees nothing (its pages hold the prompt the others reference); evicting
+    # the next frees its tail
+    assert device.held() == sorted([tuple(conversations[2]), tuple(other)])
+    assert device.host.counters.evictions == 2 and device.host.used_kv_bytes == 9 * device.extent
+    assert device.restores_exactly(conversations[2], image, [11, 12, 13, 14, 15], slot=0)
+
+
+def test_the_pages_a_store_shares_stay_counted_while_it_makes_room():
+    """S shares A's prompt pages; making room evicts A (the least recently used) without freeing its pages, so
+    the unrelated U goes too, and the tier stays within its budget."""
+    device = Device(state_slots=4, budget_pages=7)
+    a, s = PROMPT + tokens(100, 5), PROMPT + tokens(200, 5)
+    assert device.store(a, [0, 1, 2, 3, 4]) and device.store(tokens(500, 2 * PAGE), [5, 6], slot=1)
+    image = device.image([0, 1, 2, 7, 8], 2)
+    assert device.store(s, [0, 1, 2, 7, 8], slot=2)
+    assert device.held() == [tuple(s)] and device.host.counters.evictions == 2
+    assert device.host.used_kv_bytes == 7 * device.extent  # A's 5 pages (3 of them S's) and S's own 2
+    assert device.restores_exactly(s, image, [9, 10, 11, 12, 13], slot=3)
+
+
+def test_a_store_shares_pages_only_when_the_blocks_it_keeps_leave_room_for_the_rest():
+    """Sharing one page of A would keep all 5 of A's pages: B (5 pages) is copied whole and A evicted. C shares 4
+    of B's pages and copies 1: both fit."""
+    device = Device(state_slots=4, budget_pages=6)
+    b, c = tokens(0, PAGE) + [99] * 4 * PAGE, tokens(0, PAGE) + [99] * 3 * PAGE + [98] * PAGE
+    assert device.store(tokens(0, 5 * PAGE), [0, 1, 2, 3, 4])
+    assert device.store(b, [0, 5, 6, 7, 8], slot=1)
+    assert device.held() == [tuple(b)] and device.host.used_kv_bytes == 5 * device.extent
+    assert device.store(c, [0, 5, 6, 7, 9], slot=2)
+    assert device.held() == sorted([tuple(b), tuple(c)]) and device.host.used_kv_bytes == 6 * device.extent
+    assert device.host.counters.evictions == 1 and device.host.counters.dropped == 0
 
 
 @pytest.mark.parametrize("state_slots, budget_pages", [(0, 8), (4, 0)])
@@ -270,9 +401,10 @@ def test_prefix_reuse_off_builds_no_host_tier():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from ninfer.core.plugins import load_plugin_manager
-    from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
     from speculation_support import open_tiny
+
+    from ninfer.core.artifact.tiny import TinyOptions, write_tiny_artifact
+    from ninfer.core.plugins import load_plugin_manager
 
     registries = load_plugin_manager(entry_points=False).registries
     path = write_tiny_artifact(
