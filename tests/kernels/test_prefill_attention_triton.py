@@ -1,4 +1,5 @@
-"""The Triton paged prefill attention against its twin, the reference ``paged_attention`` (fp32 math on the same
+"""The continuation prefill attentions (the Triton paged kernel; ``split_paged_attention`` on cuDNN and on flash)
+against their twin, the reference ``paged_attention`` (fp32 math on the same
 bf16 inputs): rows whose chunk continues cached context (continuation chunks) and rows that start at root, query and
 context lengths that are not multiples of the 64-token blocks or the 16-token pages, pages scattered in the pool,
 grouped KV heads, several rows in one batch, and a query that is a strided view (the unfused projection).
@@ -16,7 +17,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="bf16 tensor-
 
 skip_module_without_triton()
 
+from ninfer.kernels.reference.prefill import cudnn_attention, flash_attention, split_paged_attention  # noqa: E402
 from ninfer.kernels.triton.prefill_attention import paged_prefill_attention  # noqa: E402
+
+KERNELS = {
+    "triton": paged_prefill_attention,
+    "split-cudnn": lambda *args, scale: split_paged_attention(*args, scale=scale, attend=cudnn_attention),
+    "split-flash": lambda *args, scale: split_paged_attention(*args, scale=scale, attend=flash_attention),
+}
 
 PAGE = 16
 
@@ -52,17 +60,19 @@ def _batch(rows: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, see
         ([(37, 0), (129, 211), (1, 5), (200, 1000)], 16, 4, 128),  # mixed rows in one batch
     ],
 )
-def test_matches_the_reference(rows, heads, kv_heads, dim):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_the_reference(kernel, rows, heads, kv_heads, dim):
     query, keys, values, tables = _batch(rows, heads, kv_heads, dim, seed=len(rows) * 1000 + dim + heads)
     query_lens, context_lens = [length for length, _ in rows], [context for _, context in rows]
     expected = paged_attention(query.float(), keys, values, tables, query_lens, context_lens, scale=dim**-0.5)
-    got = paged_prefill_attention(query.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE),
-                                  query_lens, context_lens, scale=dim**-0.5)
+    got = KERNELS[kernel](query.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE),
+                          query_lens, context_lens, scale=dim**-0.5)
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), expected) < 1e-2
 
 
-def test_a_strided_query_view_reads_the_right_heads():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_strided_query_view_reads_the_right_heads(kernel):
     """The unfused projection hands over ``[T, H, 2D]`` split into query and gate: a view with a head stride 2D."""
     rows, heads, kv_heads, dim = [(90, 40)], 8, 2, 128
     query, keys, values, tables = _batch(rows, heads, kv_heads, dim, seed=5)
@@ -70,8 +80,7 @@ def test_a_strided_query_view_reads_the_right_heads():
     view = projected[..., :dim]
     assert not view.is_contiguous()
     expected = paged_attention(query.float(), keys, values, tables, [90], [40], scale=dim**-0.5)
-    got = paged_prefill_attention(view, keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE), [90], [40],
-                                  scale=dim**-0.5)
+    got = KERNELS[kernel](view, keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE), [90], [40], scale=dim**-0.5)
     assert rel_err(got.float(), expected) < 1e-2
 
 
