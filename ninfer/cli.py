@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from collections import Counter
 from typing import Any, Callable, Mapping, NoReturn, Sequence
@@ -144,7 +145,9 @@ def _serve_command() -> click.Command:
 
 def _serve(ctx: click.Context, artifact: str | None, print_config: bool, **options: Any) -> None:
     manager = plugin_manager(ctx)
-    config = ServeConfig.build(manager.registries, artifact=artifact, argv=ctx.meta.get(_ARGV_KEY, ()), **options)
+    config = ServeConfig.build(
+        manager.registries, artifact=artifact, argv=ctx.meta.get(_ARGV_KEY, ()), environ=os.environ, **options
+    )
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return

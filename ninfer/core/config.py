@@ -12,7 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import attrs
 
@@ -28,6 +28,10 @@ WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32")
 HOSTED_TOOL_POLICIES = ("ignore", "reject")
 AUTO = "auto"
 REDACTED = "<redacted>"
+#: The environment variable that supplies the API key when neither --api-key nor --api-key-file is given.
+API_KEY_ENV = "NINFER_API_KEY"
+#: An --api-key-file holds one key; anything larger is the wrong file (and is not read whole).
+API_KEY_FILE_MAX_BYTES = 4096
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 #: The explicit context-cache flags that ``--no-prefix-reuse`` (root-only mode) cannot be combined with.
@@ -194,6 +198,39 @@ def _context_cost_presets(name: str, value: Any, registries: Registries) -> str:
     return path
 
 
+def read_api_key_file(path: str) -> str:
+    """The key an ``--api-key-file`` holds: its text with surrounding whitespace (the trailing newline) stripped.
+
+    Errors name the path and the problem, never the file's content."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(API_KEY_FILE_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise _error("api_key_file", f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise _error("api_key_file", f"{path}: is a directory, expected a file holding the key") from None
+    except OSError as exc:
+        raise _error("api_key_file", f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > API_KEY_FILE_MAX_BYTES:
+        raise _error("api_key_file", f"{path}: is larger than {API_KEY_FILE_MAX_BYTES} bytes, expected just the key")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _error("api_key_file", f"{path}: is not UTF-8 text") from None
+    return _one_line_key(text, f"{option_flag('api_key_file')} {path}", "api_key_file")
+
+
+def _one_line_key(text: str, source: str, param: str) -> str:
+    """``text`` stripped of surrounding whitespace (clients' header values are stripped too, so a key could never
+    match with it); it must leave one non-empty line."""
+    key = text.strip()
+    if not key:
+        raise ConfigError(f"{source}: is empty, expected the API key", param=param)
+    if len(key.splitlines()) != 1:
+        raise ConfigError(f"{source}: must hold the API key on a single line", param=param)
+    return key
+
+
 def _request_log(name: str, value: Any, registries: Registries) -> str:
     path = _path_text(name, value, registries)
     target = Path(path)
@@ -245,7 +282,8 @@ class ServeConfig:
 
     ``artifact`` is the model path (``None``: the ``synthetic`` preset when one is given, else the built-in demo);
     ``kv_capacity`` is a token count or the string ``"auto"`` (resolved by the engine); unset sampler overrides are
-    ``None``; ``argv`` is the invocation with the API-key value replaced by ``<redacted>``.
+    ``None``; ``api_key`` is the effective key from :func:`resolve_api_key` and ``api_key_source`` names where it
+    came from; ``argv`` is the invocation with the API-key value replaced by ``<redacted>``.
     """
 
     artifact: str | None = None
@@ -262,14 +300,31 @@ class ServeConfig:
     synthetic_seed: int = _int(0, 0, INT64_MAX, help="seed of the --synthetic weights (same seed, same weights)")
     host: str = _option("127.0.0.1", help="listen address", kind="text", check=_text, metavar="H")
     port: int = _int(8080, 1, 65535, help="listen port")
+    header_timeout_ms: int = _int(
+        10000,
+        1,
+        3_600_000,
+        help="total time a request's headers may take, counted from the connection opening or from the first byte "
+        "after the previous response; a connection still sending them is closed (keep-alive idle time is not "
+        "counted); also the longest pause while a request body arrives (then 408 request_timeout)",
+    )
     api_key: str | None = _option(
         None,
-        help="required bearer or x-api-key value",
+        help="required bearer or x-api-key value; a flag's value is visible in the process list, so prefer "
+        f"--api-key-file or {API_KEY_ENV} (read when neither flag is given)",
         kind="text",
         check=_text,
         metavar="KEY",
         default_text="unset",
         repr=lambda key: repr(None if key is None else REDACTED),
+    )
+    api_key_file: str | None = _option(
+        None,
+        help="file holding the required key (surrounding whitespace stripped; not with --api-key)",
+        kind="text",
+        check=_path_text,
+        metavar="FILE",
+        default_text="unset",
     )
     model_id: str | None = _option(
         None,
@@ -396,6 +451,7 @@ class ServeConfig:
         check=_one_of(WEIGHT_DTYPES),
         choices=WEIGHT_DTYPES,
     )
+    api_key_source: str | None = None
     argv: tuple[str, ...] = ()
 
     @classmethod
@@ -405,12 +461,14 @@ class ServeConfig:
         *,
         artifact: str | os.PathLike[str] | None = None,
         argv: Sequence[str] = (),
+        environ: Mapping[str, str] | None = None,
         **options: Any,
     ) -> ServeConfig:
         """Apply defaults, resolve derived defaults and validate every option and cross-option rule.
 
         ``options`` are keyed by field name; an option that is absent or ``None`` counts as not given, so a
         rule about explicit flags (``--no-prefix-reuse``) sees exactly the options the user spelled out.
+        ``environ`` is the environment the API key may come from (the CLI passes ``os.environ``; None: none).
         """
         specs = serve_options()
         unknown = sorted(set(options) - set(specs))
@@ -426,7 +484,8 @@ class ServeConfig:
         _resolve_derived_defaults(values, given)
         artifact_path = None if artifact is None else os.fspath(artifact)
         _check_combinations(values, given, registries, artifact_path)
-        return cls(artifact=artifact_path, argv=redact_argv(argv), **values)
+        values["api_key"], source = resolve_api_key(values["api_key"], values["api_key_file"], environ or {})
+        return cls(artifact=artifact_path, api_key_source=source, argv=redact_argv(argv), **values)
 
     @property
     def request_policy(self) -> RequestPolicy:
@@ -457,6 +516,25 @@ def registry_choices(registries: Registries, registry: str) -> tuple[str, ...]:
     if registry == SYNTHETIC_PRESETS:
         return tuple(synthetic_presets(registries))
     return tuple(getattr(registries, registry))
+
+
+def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The effective API key and where it came from; the one place that decides it.
+
+    Precedence: ``--api-key``, else the contents of ``--api-key-file``, else :data:`API_KEY_ENV`, else no key.
+    Giving both flags is a usage error (two explicit keys are a mistake, not a precedence question); the
+    environment is only the fallback. A set but empty variable is an error rather than "no key", so a failed
+    secret lookup cannot silently start an open server.
+    """
+    if flag is not None and path is not None:
+        raise ConfigError("--api-key and --api-key-file are mutually exclusive: give one", param="api_key_file")
+    if flag is not None:
+        return flag, option_flag("api_key")
+    if path is not None:
+        return read_api_key_file(path), option_flag("api_key_file")
+    if API_KEY_ENV in environ:
+        return _one_line_key(environ[API_KEY_ENV], f"environment variable {API_KEY_ENV}", "api_key"), API_KEY_ENV
+    return None, None
 
 
 def redact_argv(argv: Iterable[str]) -> tuple[str, ...]:

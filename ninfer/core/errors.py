@@ -1,6 +1,45 @@
-"""Typed errors. Each carries what a protocol adapter needs to render it: HTTP status, type, code, param."""
+"""Typed errors. Each carries what a protocol adapter needs to render it: HTTP status, type, code, param.
+
+Error text reaches clients, the request log and stderr, so client input appears in it only through
+:func:`quoted` (a bounded, escaped slice) and every message and param is cut to a fixed length.
+"""
 
 from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+QUOTED_CHARS = 64  # how much of one client value an error message shows
+RETRY_AFTER_SECONDS = 1  # the Retry-After of a refusal that a retry can overcome (overload, queue timeout)
+MAX_MESSAGE_CHARS = 4096
+MAX_PARAM_CHARS = 256
+
+
+def _quoting() -> reprlib.Repr:
+    quoting = reprlib.Repr()
+    quoting.maxstring = quoting.maxother = quoting.maxlong = QUOTED_CHARS
+    quoting.maxlevel, quoting.maxlist, quoting.maxdict, quoting.maxtuple = 2, 4, 4, 4
+    return quoting
+
+
+_QUOTING = _quoting()
+
+
+def quoted(value: Any) -> str:
+    """How an error message shows a client value: its repr (every unprintable or unencodable character escaped),
+    cut to about :data:`QUOTED_CHARS` characters with ``...`` in the middle, containers shown shallowly."""
+    try:
+        return _QUOTING.repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for str()
+        return f"<an integer of {value.bit_length()} bits>"
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, the cut marked with how much was left out."""
+    if len(text) <= limit:
+        return text
+    kept = limit - len(f"... ({len(text)} more characters)")
+    return f"{text[:kept]}... ({len(text) - kept} more characters)"
 
 
 class NinferError(Exception):
@@ -13,11 +52,13 @@ class NinferError(Exception):
     status: int = 500
     error_type: str = "server_error"
     code: str = "internal_error"
+    retry_after_s: int | None = None  # sent as Retry-After: the same request may succeed this much later
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        message = bounded(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = param if param is None else bounded(param, MAX_PARAM_CHARS)
         if code is not None:
             self.code = code
 
@@ -78,6 +119,7 @@ class ServerOverloadedError(NinferError):
     status = 429
     error_type = "server_error"
     code = "server_overloaded"
+    retry_after_s = RETRY_AFTER_SECONDS
 
 
 class QueueTimeoutError(NinferError):
@@ -86,6 +128,7 @@ class QueueTimeoutError(NinferError):
     status = 503
     error_type = "server_error"
     code = "request_queue_timeout"
+    retry_after_s = RETRY_AFTER_SECONDS
 
 
 class EngineUnavailableError(NinferError):

@@ -29,11 +29,19 @@ SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", 
 
 
 class RequestLogWriter:
-    """Appends events to one JSONL file; thread-safe; request ids are monotonic within this instance."""
+    """Appends events to one JSONL file; thread-safe; request ids are monotonic within this instance.
+
+    A file whose last line is partial (an earlier server killed mid-write) gets a line break first, so this
+    instance's records stay whole lines and readers skip only that partial line."""
 
     def __init__(self, path: str) -> None:
         try:
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
+            self._file = open(path, "a+b")  # noqa: SIM115 -- closed by close()
+            if self._file.seek(0, 2) > 0:
+                self._file.seek(-1, 2)
+                if self._file.read(1) != b"\n":
+                    self._file.write(b"\n")
+                    self._file.flush()
         except OSError as exc:
             raise ConfigError(
                 f"cannot open --request-log-jsonl {path!r}: {exc.strerror or exc}", param="request_log_jsonl"
@@ -61,7 +69,7 @@ class RequestLogWriter:
         with self._lock:
             if self._file.closed:
                 return
-            self._file.write(line)
+            self._file.write(line.encode("utf-8"))
             self._file.flush()
 
     def close(self) -> None:

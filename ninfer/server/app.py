@@ -12,10 +12,17 @@ import attrs
 import falcon
 import falcon.asgi
 
-from ninfer.core.errors import NinferError
-from ninfer.observability import oplog
-from ninfer.server.errors import ANTHROPIC, ErrorReply, protocol_for_path, render_http_error, render_ninfer_error
-from ninfer.server.http import DisconnectTracking, RequestTooLargeError
+from ninfer.core.errors import NinferError, quoted
+from ninfer.server.errors import (
+    ANTHROPIC,
+    ErrorReply,
+    internal_error,
+    protocol_for_path,
+    render_http_error,
+    render_ninfer_error,
+    report_internal_error,
+)
+from ninfer.server.http import DisconnectTracking, RequestTooLargeError, body_limit_bytes
 from ninfer.server.routes import PROBE_PATHS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,7 +57,7 @@ class ProtocolMiddleware:
 
     def __init__(self, context: ServerContext) -> None:
         self.api_key = context.config.api_key
-        self.max_body_bytes = context.config.max_request_mib * 1024 * 1024
+        self.max_body_bytes = body_limit_bytes(context.config)
 
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         protocol = protocol_for_path(req.path)
@@ -88,11 +95,14 @@ def _set_request_id_header(req: Any, resp: Any) -> None:
 
 
 def _reply(req: Any, resp: Any, reply: ErrorReply) -> None:
+    """Send an error body; ASCII-escaped JSON, so rendering an error can never fail on text encoding."""
     resp.status = reply.status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = json.dumps(reply.body, ensure_ascii=False).encode("utf-8")
+    resp.data = json.dumps(reply.body, ensure_ascii=True).encode("ascii")
     resp.stream = None
     resp.sse = None
+    for name, value in reply.headers:
+        resp.set_header(name, value)
 
 
 def _context_of(req: Any) -> tuple[str, str | None]:
@@ -111,14 +121,15 @@ async def _handle_http_error(req: Any, resp: Any, error: falcon.HTTPError, param
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
     message = error.description or error.title or "request failed"
     if status == 404:
-        message = f"no route for {req.method} {req.path}"
+        message = f"no route for {req.method} {quoted(req.path)}"
     _reply(req, resp, render_http_error(status, message, protocol, request_id, code))
 
 
 async def _handle_unexpected(req: Any, resp: Any, error: Exception, params: Any) -> None:
+    """A 500: an internal invariant broke (client input never gets here). Logged once with its traceback."""
     protocol, request_id = _context_of(req)
-    oplog.get_logger().error(f"internal error while serving {req.method} {req.path}: {type(error).__name__}")
-    _reply(req, resp, render_http_error(500, "internal server error", protocol, request_id, "internal_error"))
+    report_internal_error(error, request_id, f"serving {req.method} {quoted(req.path)}")
+    _reply(req, resp, render_ninfer_error(internal_error(), protocol, request_id))
 
 
 def build_app(context: ServerContext) -> DisconnectTracking:

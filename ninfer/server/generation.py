@@ -44,6 +44,7 @@ from ninfer.engine import (
 )
 from ninfer.observability import oplog
 from ninfer.observability.request_log import RequestObserver, cache_summary, observability_for
+from ninfer.server.errors import internal_error, report_internal_error
 from ninfer.server.http import wait_for_disconnect, with_keepalive
 
 _ACTIVE_KEY = "generation.active"
@@ -483,23 +484,51 @@ async def watch_disconnect(req: Any, on_disconnect: Callable[[], None]) -> None:
     on_disconnect()
 
 
+ErrorFrame = Callable[[NinferError], bytes]
+
+
 class GenerationStream:
     """The SSE body of a streamed generation, shared by every adapter.
 
     ``frames`` are the adapter's encoded events; this adds ``: keep-alive`` comments, cancels the generation
-    when the client disconnects, and releases it when falcon closes the body (end or failed send).
+    when the client disconnects, and releases it when falcon closes the body (end or failed send). Once the 200
+    headers are out an error can no longer change the status, so a failure of ``frames`` ends the stream with the
+    protocol's error event (``error_frame``): a typed error as itself, anything else (an internal invariant broke,
+    logged once with its traceback) as ``internal_error``. The connection is never just dropped.
     """
 
-    def __init__(self, req: Any, generation: Generation, frames: AsyncIterator[bytes]) -> None:
+    def __init__(self, req: Any, generation: Generation, frames: AsyncIterator[bytes],
+                 error_frame: ErrorFrame) -> None:
         self.generation = generation
         self._watcher = asyncio.create_task(watch_disconnect(req, generation.cancel))
         self._frames = with_keepalive(frames)
+        self._error_frame = error_frame
+        self._ended = False
 
     def __aiter__(self) -> "GenerationStream":
         return self
 
     async def __anext__(self) -> bytes:
-        return await self._frames.__anext__()
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            return await self._frames.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            self._ended = True
+            return self._final_frame(exc)
+
+    def _final_frame(self, exc: Exception) -> bytes:
+        request_id = self.generation.request_id
+        if not isinstance(exc, NinferError):
+            report_internal_error(exc, request_id, "streaming a response")
+            exc = internal_error()
+        try:
+            return self._error_frame(exc)
+        except Exception as frame_error:  # the error event itself cannot be built: end the stream cleanly
+            report_internal_error(frame_error, request_id, "rendering a stream's error event")
+            raise StopAsyncIteration from None
 
     async def close(self) -> None:
         self._watcher.cancel()
@@ -510,10 +539,10 @@ class GenerationStream:
             await self._frames.aclose()
 
 
-async def respond_with_stream(
-    req: Any, resp: Any, generation: Generation, begin: Callable[[], Awaitable[None]], frames: AsyncIterator[bytes]
-) -> None:
-    """Run ``begin`` (start + wait for admission) and only then commit an SSE response carrying ``frames``.
+async def respond_with_stream(req: Any, resp: Any, generation: Generation, begin: Callable[[], Awaitable[None]],
+                              frames: AsyncIterator[bytes], error_frame: ErrorFrame) -> None:
+    """Run ``begin`` (start + wait for admission) and only then commit an SSE response carrying ``frames``
+    (ended by ``error_frame`` if they fail; see :class:`GenerationStream`).
 
     Committing after admission keeps overload, queue-timeout and preparation failures ordinary HTTP errors.
     """
@@ -527,4 +556,4 @@ async def respond_with_stream(
     resp.content_type = "text/event-stream"
     resp.set_header("Cache-Control", "no-cache")
     resp.set_header("X-Accel-Buffering", "no")
-    resp.stream = GenerationStream(req, generation, frames)
+    resp.stream = GenerationStream(req, generation, frames, error_frame)

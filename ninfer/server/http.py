@@ -1,4 +1,9 @@
-"""HTTP plumbing shared by every adapter: JSON bodies with a size limit, SSE with keep-alive, disconnects."""
+"""HTTP plumbing shared by every adapter: JSON bodies with a size limit, SSE with keep-alive, disconnects.
+
+Every request body enters through :func:`read_json_object` (the size limit, then :func:`ninfer.core.json_input.
+parse_json` with its structural limits), and every JSON response byte leaves through :func:`json_bytes` or
+:func:`sse_frame`, which cannot fail on text encoding.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ import asyncio
 import json
 from typing import Any, AsyncIterator, Callable
 
-from ninfer.core.errors import InvalidRequestError, NinferError
+from ninfer.core.errors import NinferError
+from ninfer.core.json_input import JsonInputError, parse_json
 
 KEEPALIVE_SECONDS = 5.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 DISCONNECT_KEY = "ninfer.receive"
+MIB = 1024 * 1024
 
 
 class RequestTooLargeError(NinferError):
@@ -19,36 +26,63 @@ class RequestTooLargeError(NinferError):
     code = "request_too_large"
 
 
-async def read_json_object(req: Any, max_bytes: int) -> dict[str, Any]:
-    """Read the body (refusing more than ``max_bytes`` before parsing) and parse a JSON object."""
+class RequestBodyStalledError(NinferError):
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+def body_limit_bytes(config: Any) -> int:
+    """The raw body limit of ``--max-request-mib`` in bytes."""
+    return config.max_request_mib * MIB
+
+
+async def read_json_object(req: Any, config: Any, *, dotted: bool = False) -> dict[str, Any]:
+    """Read the body and parse a JSON object within the JSON input limits; ``dotted`` writes array indices in error
+    paths Anthropic's way (``messages.2``).
+
+    More than ``--max-request-mib`` is refused (413) before parsing. A body that stops arriving for
+    ``--header-timeout-ms`` is refused (408): like slow headers, a slow body must not hold a request open."""
+    max_bytes = body_limit_bytes(config)
     if req.content_length is not None and req.content_length > max_bytes:
         raise RequestTooLargeError(f"request body of {req.content_length} bytes exceeds the {max_bytes}-byte limit")
+    stall_s = config.header_timeout_ms / 1000
     chunks: list[bytes] = []
     size = 0
-    async for chunk in req.stream:
+    stream = aiter(req.stream)
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), stall_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise RequestBodyStalledError(
+                f"the request body stopped arriving for {stall_s:g} s (--header-timeout-ms) after {size} bytes"
+            ) from None
         size += len(chunk)
         if size > max_bytes:
             raise RequestTooLargeError(f"request body exceeds the {max_bytes}-byte limit")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    body = parse_json(b"".join(chunks), dotted=dotted)
     if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", code="invalid_json")
+        raise JsonInputError("request body must be a JSON object", code="invalid_json")
     return body
 
 
 def json_bytes(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """Compact UTF-8 JSON. Non-ASCII text stays literal unless some string cannot be encoded (a lone surrogate,
+    which the input checks keep out of client text): then every non-ASCII character is escaped instead."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def sse_frame(data: Any, event: str | None = None) -> bytes:
     """One SSE frame; ``data`` is JSON-encoded unless it is already a string."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {text}\n\n".encode("utf-8")
+    body = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else json_bytes(data)
+    head = f"event: {event}\n".encode("utf-8", "backslashreplace") if event else b""
+    return head + b"data: " + body + b"\n\n"
 
 
 async def with_keepalive(frames: AsyncIterator[bytes], interval: float = KEEPALIVE_SECONDS) -> AsyncIterator[bytes]:

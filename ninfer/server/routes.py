@@ -12,7 +12,7 @@ from typing import Any
 
 import falcon
 
-from ninfer.core.errors import NinferError
+from ninfer.core.errors import NinferError, quoted
 
 
 class ModelNotFoundError(NinferError):
@@ -70,7 +70,8 @@ class ModelsResource:
 
     async def on_get_one(self, req: Any, resp: Any, model_id: str) -> None:
         if model_id != self.context.model_id:
-            raise ModelNotFoundError(f"model {model_id!r} does not exist; this server serves {self.context.model_id!r}", param="model")
+            raise ModelNotFoundError(f"model {quoted(model_id)} does not exist; this server serves "
+                                     f"{quoted(self.context.model_id)}", param="model")
         resp.media = model_card(self.context)
 
 

@@ -1,4 +1,5 @@
-"""Run the ASGI app with uvicorn on a listening socket tuned to detect dead peers."""
+"""Run the ASGI app with uvicorn on a listening socket tuned to detect dead peers, over the h11 protocol that bounds
+the time a request's headers may take (:mod:`ninfer.server.header_deadline`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import socket
 from typing import Any
 
 import uvicorn
+
+from ninfer.server.header_deadline import header_deadline_protocol
 
 TCP_USER_TIMEOUT_MS = 15_000
 KEEPALIVE_IDLE_S = 5
@@ -38,12 +41,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: Any, sock: socket.socket) -> uvicorn.Server:
-    config = uvicorn.Config(
+def server_config(app: Any, *, header_timeout_ms: int) -> uvicorn.Config:
+    """uvicorn's configuration: ninfer's own protocol class (always h11, with the header deadline, whether or not
+    httptools is installed), no uvicorn logging, no lifespan, a 10 s graceful shutdown."""
+    return uvicorn.Config(
         app,
+        http=header_deadline_protocol(header_timeout_ms / 1000),
         log_level="critical",  # ninfer writes its own operational log
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=10,
     )
-    return uvicorn.Server(config)

@@ -141,7 +141,7 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
     from ninfer.server.app import ServerContext, build_app
     from ninfer.server.compose import load_engine
     from ninfer.server.generation import close_generation_resources
-    from ninfer.server.runner import listening_socket, make_server
+    from ninfer.server.runner import listening_socket, server_config
 
     registries = plugins.registries
     load_options = LoadOptions(device=device_for(config), dtype=config.dtype, cuda_graphs=not config.no_cuda_graph)
@@ -200,7 +200,9 @@ def _serve(config: "ServeConfig", plugins: "PluginManager", log: Any, request_lo
                 raise ConfigError(
                     f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", param="port"
                 ) from None
-            server = GracefulServer(make_server(app, sock).config, context)
+            server = GracefulServer(server_config(app, header_timeout_ms=config.header_timeout_ms), context)
+            if config.api_key_source is not None:
+                log.info(f"API key required (from {config.api_key_source})")  # where from, never the value
             plugins.hook.ninfer_serve_started(server=context)
             if reporter is not None:
                 reporter.start()

@@ -31,7 +31,9 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "synthetic_seed": 0,
     "host": "127.0.0.1",
     "port": 8080,
+    "header_timeout_ms": 10000,
     "api_key": None,
+    "api_key_file": None,
     "model_id": None,
     "max_context": 8192,
     "kv_capacity": 8192,
@@ -80,6 +82,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "seed": None,
     "greedy": False,
     "dtype": "auto",
+    "api_key_source": None,
 }
 
 #: One non-default value per option: (arguments, field, expected resolved value).
@@ -89,6 +92,8 @@ ACCEPTED = [
     (["--host", "0.0.0.0"], "host", "0.0.0.0"),
     (["--port", "1"], "port", 1),
     (["--port", "65535"], "port", 65535),
+    (["--header-timeout-ms", "1"], "header_timeout_ms", 1),
+    (["--header-timeout-ms", "3600000"], "header_timeout_ms", 3600000),
     (["--api-key", SECRET], "api_key", REDACTED),
     (["--model-id", "qwen3.8-27b"], "model_id", "qwen3.8-27b"),
     (["--max-context", "240000"], "max_context", 240000),
@@ -159,7 +164,10 @@ REJECTED = [
     (["--port", "0"], "--port"),
     (["--port", "65536"], "--port"),
     (["--port", "http"], "--port"),
+    (["--header-timeout-ms", "0"], "--header-timeout-ms"),
+    (["--header-timeout-ms", "3600001"], "--header-timeout-ms"),
     (["--api-key", ""], "--api-key"),
+    (["--api-key-file", ""], "--api-key-file"),
     (["--model-id", " "], "--model-id"),
     (["--max-context", "0"], "--max-context"),
     (["--kv-capacity", "0"], "--kv-capacity"),
@@ -213,15 +221,19 @@ REJECTED = [
 ]
 
 
+#: The invocations run without a developer's NINFER_API_KEY (None removes it).
+NO_KEY_ENV: dict[str, str | None] = {"NINFER_API_KEY": None}
+
+
 def print_config(*args: str, obj: PluginManager | None = None) -> dict[str, Any]:
-    result = CliRunner().invoke(cli, ["serve", "--print-config", *args], obj=obj)
+    result = CliRunner().invoke(cli, ["serve", "--print-config", *args], obj=obj, env=NO_KEY_ENV)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
 
 def assert_rejected(args: list[str], flag: str, obj: PluginManager | None = None) -> str:
     """The serve invocation exits 2 with exactly one ``Error:`` line on stderr that names ``flag``."""
-    result = CliRunner().invoke(cli, ["serve", "--print-config", *args], obj=obj)
+    result = CliRunner().invoke(cli, ["serve", "--print-config", *args], obj=obj, env=NO_KEY_ENV)
     assert result.exit_code == 2, result.output
     assert result.stdout == ""
     lines = result.stderr.splitlines()
@@ -248,8 +260,8 @@ def test_every_documented_default():
 
 def test_tables_cover_every_serve_option():
     options = set(serve_options())
-    assert options == set(DOCUMENTED_DEFAULTS) - {"artifact"}
-    files = {"context_cost_presets", "request_log_jsonl"}  # need real paths: their own tests below
+    assert options == set(DOCUMENTED_DEFAULTS) - {"artifact", "api_key_source"}
+    files = {"context_cost_presets", "request_log_jsonl", "api_key_file"}  # need real paths: their own tests
     assert {field for _, field, _ in ACCEPTED} == options - files
     switches = {"lm_head_draft", "no_cuda_graph", "no_prefix_reuse", "no_thinking", "preserve_thinking",
                 "tolerant_tool_calls", "strict_effort", "cors", "greedy"}

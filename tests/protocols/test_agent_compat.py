@@ -304,7 +304,7 @@ def test_omitted_thinking_is_restored_from_its_signature(echo):
     assert counted[0] == counted[1]
     forged = [user, {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "forged"},
                                                       {"type": "text", "text": ANSWER}]}, history[2]]
-    with pytest.raises(anthropic.BadRequestError, match=r"messages\.1\.0\.signature"):
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.1\.content\.0\.signature"):
         client.messages.count_tokens(model="m", messages=forged)
     assert counted == [official_prompt_tokens("qwen3_6", hf, preserve_thinking=True)] * 2
 

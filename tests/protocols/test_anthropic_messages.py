@@ -629,6 +629,20 @@ def test_rejections_say_why(echo, changes, reason):
     assert body["request_id"] == response.headers["request-id"]
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_vision_disabled_keeps_its_code_in_the_message_and_in_error_code(echo, path):
+    user = {"role": "user", "content": [{"type": "text", "text": "look"}, IMAGE]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]}]}
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": [CALL]}, result]
+    for messages, where in (([user], "messages.0.content.1"), (history, "messages.2.content.0.content.0")):
+        response = post(echo, {"model": "local", "max_tokens": 8, "messages": messages}, path)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "vision_disabled")
+        assert error["message"].startswith(where) and error["message"].endswith("(vision_disabled)")
+        assert "--vision" in error["message"]
+
+
 def test_sdk_errors_and_count_tokens_share_the_validation(echo):
     sdk = client(echo)
     with pytest.raises(anthropic.BadRequestError) as bad:

@@ -457,8 +457,6 @@ USER = [{"role": "user", "content": "hi"}]
 TOOLS = {"tools": [WEATHER_TOOL]}
 REJECTIONS = [
     # (body changes, status, param, code)
-    ({"model": None}, 400, "model", "missing_required_parameter"),
-    ({"model": ""}, 400, "model", "invalid_value"),
     ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
     ({"messages": []}, 400, "messages", "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
@@ -547,6 +545,22 @@ def test_rejections_name_the_field(echo, changes, status, param, code):
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
     assert error["message"] and response.headers["x-request-id"].startswith("req-")
+
+
+@pytest.mark.parametrize("model", [None, "", 7, ["x"]], ids=["null", "empty", "integer", "array"])
+@pytest.mark.parametrize("stream", [False, True], ids=["aggregate", "stream"])
+def test_a_missing_or_non_string_model_serves_the_loaded_model(echo, model, stream):
+    body = {"model": model, "messages": [{"role": "user", "content": fence(SCRIPT)}], "max_tokens": 64,
+            "stream": stream}
+    for sent in (body, {key: value for key, value in body.items() if key != "model"}):
+        response = post(echo, sent)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [chunk for chunk in sse_data(response.text.splitlines()) if chunk != "[DONE]"]
+            assert {chunk["model"] for chunk in chunks} == {ECHO_MODEL}
+        else:
+            assert response.json()["model"] == ECHO_MODEL
+            assert response.json()["choices"][0]["message"]["content"] == ANSWER
 
 
 def test_neutral_values_and_advisory_hints_change_nothing(echo):

@@ -397,6 +397,7 @@ REJECTIONS = [
     ({"model": None}, 400, "model", "missing_required_parameter"),
     ({"model": "gpt-5"}, 404, "model", "model_not_found"),
     ({"input": None}, 400, "input", "missing_required_parameter"),
+    ({"input": ""}, 400, "input", "invalid_value"),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
     ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
     ({"prompt": {"id": "p"}}, 400, "prompt", "unsupported_parameter"),
@@ -444,6 +445,16 @@ def test_create_rejections_name_the_field(echo, changes, status, param, code):
     response = post(echo, "/v1/responses", body)
     assert error_of(response) == (status, param, code), response.text
     assert response.json()["error"]["message"] and response.headers["x-request-id"].startswith("req-")
+
+
+def test_empty_input_continues_a_stored_user_query_without_adding_a_turn(echo):
+    parent = post(echo, "/v1/responses", {"model": ECHO_MODEL, "input": fence(SCRIPT)}).json()
+    for empty in ("", []):
+        body = {"model": ECHO_MODEL, "input": empty, "previous_response_id": parent["id"]}
+        child = post(echo, "/v1/responses", body)
+        assert child.status_code == 200, child.text
+        items = httpx.get(echo.url(f"/v1/responses/{child.json()['id']}/input_items")).json()
+        assert items["data"] == []  # "" is no input, not an empty user message
 
 
 def test_neutral_values_are_accepted(echo):

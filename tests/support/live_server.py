@@ -90,19 +90,27 @@ class LiveServer:
         return self.process.returncode
 
 
+def inherited_env() -> dict[str, str]:
+    """This process's environment without ``NINFER_API_KEY``: a developer's key (the Codex setup exports it) must not
+    secure a test server; a test that wants one passes it in the server's extra env."""
+    return {name: value for name, value in os.environ.items() if name != "NINFER_API_KEY"}
+
+
 def start_servers(
-    tmp_dir: Path, specs: Sequence[tuple[Path | None, Sequence[str], dict[str, str]]], model_ids: Sequence[str]
+    tmp_dir: Path, specs: Sequence[tuple[Path | None, Sequence[str], dict[str, str]]], model_ids: Sequence[str],
+    ports: Sequence[int | None] | None = None,
 ) -> list[LiveServer]:
-    """Start one server per ``(artifact, extra args, extra env)`` concurrently and wait until all are healthy."""
+    """Start one server per ``(artifact, extra args, extra env)`` concurrently and wait until all are healthy;
+    ``ports`` pins a server's port (None or omitted: a free one)."""
     servers = []
     for index, ((artifact, args, env), model_id) in enumerate(zip(specs, model_ids)):
-        port = free_port()
+        port = (ports[index] if ports is not None else None) or free_port()
         log_path = tmp_dir / f"server-{port}-{index}.log"
         source = [] if artifact is None else [str(artifact)]  # None: the built-in demo model
         command = [sys.executable, "-c", "from ninfer.cli import main; main()", "serve", *source,
                    "--host", "127.0.0.1", "--port", str(port), *args]
         with open(log_path, "w", encoding="utf-8") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**inherited_env(), **env})
         servers.append(LiveServer(process, port, log_path, model_id))
     try:
         _wait_healthy(servers)

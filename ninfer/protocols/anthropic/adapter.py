@@ -222,7 +222,8 @@ def _frame(event: Event) -> bytes:
     return sse_frame(event[1], event=event[0])
 
 
-def _error_frame(error: NinferError, request_id: str) -> bytes:
+def error_frame(error: NinferError, request_id: str) -> bytes:
+    """A stream's terminal error: an ``event: error`` frame holding the Anthropic error body."""
     return sse_frame(render_ninfer_error(error, ANTHROPIC, request_id).body, event="error")
 
 
@@ -238,12 +239,12 @@ async def message_frames(generation: Generation, renderer: MessageRenderer) -> A
                 for event in renderer.assembler.feed(update.events):
                     yield _frame(event)
     except NinferError as error:
-        yield _error_frame(error, generation.request_id)
+        yield error_frame(error, generation.request_id)
         return
     result = generation.result
     assert result is not None
     if result.finish_reason == "cancelled":  # client gone or server stopping: say so if anyone listens
-        yield _error_frame(cancelled_error(generation), generation.request_id)
+        yield error_frame(cancelled_error(generation), generation.request_id)
         return
     for event in renderer.finish(result):
         yield _frame(event)
@@ -273,10 +274,9 @@ def request_settings(context: Any) -> RequestSettings:
 class MessagesResource:
     def __init__(self, context: Any) -> None:
         self.context = context
-        self.max_body_bytes = context.config.max_request_mib * 1024 * 1024
 
     async def on_post(self, req: Any, resp: Any) -> None:
-        body = await read_json_object(req, self.max_body_bytes)
+        body = await read_json_object(req, self.context.config, dotted=True)
         request = parse_messages_request(body, request_settings(self.context))
         max_tokens = self.context.config.request_policy.max_tokens(request.options.max_tokens)
         edited = await edit_context(self.context, request)
@@ -308,7 +308,8 @@ class MessagesResource:
             await generation.start()
             await generation.admitted()
 
-        await respond_with_stream(req, resp, generation, begin, message_frames(generation, renderer))
+        await respond_with_stream(req, resp, generation, begin, message_frames(generation, renderer),
+                                  lambda error: error_frame(error, generation.request_id))
 
 
 class CountTokensResource:
@@ -316,10 +317,9 @@ class CountTokensResource:
 
     def __init__(self, context: Any) -> None:
         self.context = context
-        self.max_body_bytes = context.config.max_request_mib * 1024 * 1024
 
     async def on_post(self, req: Any, resp: Any) -> None:
-        body = await read_json_object(req, self.max_body_bytes)
+        body = await read_json_object(req, self.context.config, dotted=True)
         request = parse_messages_request(body, request_settings(self.context), count_only=True)
         count = token_counter(self.context)
         edited = await edit_context(self.context, request)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from ninfer.core.conversation import Conversation, Message, TextPart
-from ninfer.protocols.fields import malformed, type_name, unsupported
+from ninfer.protocols.fields import malformed, member_path, quoted, type_name, type_tag, unsupported
 
 CLEAR_THINKING = "clear_thinking_20251015"
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
@@ -97,7 +97,7 @@ class ContextManagement:
 def _fields(raw: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
     for key in raw:
         if key not in allowed:
-            raise malformed(f"{where}.{key}", f"unknown field (expected {', '.join(allowed)})")
+            raise malformed(member_path(where, key), f"unknown field (expected {', '.join(allowed)})")
 
 
 def _amount(raw: Any, where: str, kinds: tuple[str, ...], minimum: int = 0) -> tuple[str, int]:
@@ -105,9 +105,9 @@ def _amount(raw: Any, where: str, kinds: tuple[str, ...], minimum: int = 0) -> t
     if not isinstance(raw, dict):
         raise malformed(where, f"expected an object {{\"type\": ..., \"value\": N}}, got {type_name(raw)}")
     _fields(raw, ("type", "value"), where)
-    kind = raw.get("type")
+    kind = type_tag(raw, where)
     if kind not in kinds:
-        raise malformed(f"{where}.type", f"expected {' or '.join(repr(k) for k in kinds)}, got {kind!r}")
+        raise malformed(f"{where}.type", f"expected {' or '.join(repr(k) for k in kinds)}, got {quoted(kind)}")
     value = raw.get("value")
     if isinstance(value, bool) or not isinstance(value, int):
         raise malformed(f"{where}.value", f"expected an integer, got {type_name(value)}")
@@ -176,15 +176,15 @@ def parse_context_management(body: Mapping[str, Any], *, thinking_on: bool,
         where = f"context_management.edits.{index}"
         if not isinstance(item, dict):
             raise malformed(where, f"expected an edit object, got {type_name(item)}")
-        kind = item.get("type")
+        kind = type_tag(item, where)
         if kind == COMPACT:
             raise unsupported(f"{where}.type", "server-side compaction replaces the history with a model-written "
                               "summary, which ninfer does not produce (compact on the client instead)")
         if kind not in (CLEAR_THINKING, CLEAR_TOOL_USES):
-            raise malformed(f"{where}.type", f"unknown edit type {kind!r} (expected {CLEAR_TOOL_USES!r} or "
-                            f"{CLEAR_THINKING!r})")
+            raise malformed(f"{where}.type", f"unknown edit type {quoted(kind)} (expected {quoted(CLEAR_TOOL_USES)} "
+                            f"or {quoted(CLEAR_THINKING)})")
         if any(edit.type == kind for edit in edits):
-            raise malformed(f"{where}.type", f"duplicate edit type {kind!r}")
+            raise malformed(f"{where}.type", f"duplicate edit type {quoted(kind)}")
         if kind == CLEAR_THINKING:
             if edits:
                 raise malformed(f"{where}.type", f"{CLEAR_THINKING} must be listed first in edits")

@@ -24,7 +24,7 @@ import attrs
 
 from ninfer.core.conversation import ContentPart, ImagePart, Message, TextPart, ToolCall, ToolResult
 from ninfer.core.errors import InvalidRequestError
-from ninfer.protocols.fields import malformed, type_name, unsupported
+from ninfer.protocols.fields import malformed, quoted, type_name, type_tag, unsupported, vision_disabled
 from ninfer.protocols.reasoning_codec import decode_reasoning
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -35,7 +35,6 @@ CACHEABLE_TYPES = ("text", "image", "tool_use", "tool_result")
 IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 INVALID_TOOL_HISTORY = "invalid_tool_history"
 INVALID_ASSISTANT_HISTORY = "invalid_assistant_history"
-VISION_DISABLED = "vision_disabled"
 ROLES = ("user", "assistant", "system")
 _UNSUPPORTED_BLOCKS = {
     "document": "documents need a document processor",
@@ -54,7 +53,9 @@ Path = tuple[Any, ...]  # ("tools", i) | ("system", j) | ("messages", i, j) | ("
 
 
 def dotted(path: Path) -> str:
-    return ".".join(str(item) for item in path)
+    """The wire path of a block path; a message's blocks are in its ``content`` (``messages.2.content.0``)."""
+    items = [*path[:2], "content", *path[2:]] if path[0] == "messages" and len(path) > 2 else list(path)
+    return ".".join(str(item) for item in items)
 
 
 # -- cache plan ------------------------------------------------------------------------------------
@@ -73,10 +74,10 @@ def _ttl(marker: Any, param: str) -> str:
     if not isinstance(marker, dict):
         raise malformed(param, f"expected an object, got {type_name(marker)}")
     if marker.get("type") != "ephemeral":
-        raise malformed(f"{param}.type", f"expected 'ephemeral', got {marker.get('type')!r}")
+        raise malformed(f"{param}.type", f"expected 'ephemeral', got {quoted(marker.get('type'))}")
     ttl = marker.get("ttl", DEFAULT_TTL)
     if ttl not in CACHE_TTLS:
-        raise malformed(f"{param}.ttl", f"expected '5m' or '1h', got {ttl!r}")
+        raise malformed(f"{param}.ttl", f"expected '5m' or '1h', got {quoted(ttl)}")
     return ttl
 
 
@@ -137,7 +138,7 @@ def plan_cache(body: Mapping[str, Any]) -> CachePlan:
         where = f"{dotted(path)}.cache_control"
         ttl = _ttl(marker, where)
         if not cacheable:
-            raise malformed(where, f"{block.get('type')!r} blocks cannot carry a cache breakpoint")
+            raise malformed(where, f"{quoted(block.get('type'))} blocks cannot carry a cache breakpoint")
         explicit[path] = ttl
     if len(explicit) > MAX_BLOCK_BREAKPOINTS:
         raise malformed("cache_control", f"at most {MAX_BLOCK_BREAKPOINTS} blocks may carry cache_control, got "
@@ -149,8 +150,9 @@ def plan_cache(body: Mapping[str, Any]) -> CachePlan:
         if last_cacheable is not None:
             existing = explicit.get(last_cacheable)
             if existing is not None and existing != ttl:
-                raise malformed("cache_control", f"the request-level ttl {ttl!r} conflicts with the ttl {existing!r} "
-                                f"of the breakpoint already on its target {dotted(last_cacheable)}")
+                raise malformed("cache_control", f"the request-level ttl {quoted(ttl)} conflicts with the ttl "
+                                f"{quoted(existing)} of the breakpoint already on its target "
+                                f"{dotted(last_cacheable)}")
             if existing is None and len(explicit) == MAX_BLOCK_BREAKPOINTS:
                 raise malformed("cache_control", f"the request-level breakpoint needs a fifth slot: "
                                 f"{MAX_BLOCK_BREAKPOINTS} block-level breakpoints are already in use")
@@ -161,14 +163,14 @@ def plan_cache(body: Mapping[str, Any]) -> CachePlan:
 # -- blocks ----------------------------------------------------------------------------------------
 
 
-def _reject_block(kind: Any, where: str) -> InvalidRequestError:
+def _reject_block(kind: str | None, where: str) -> InvalidRequestError:
     if kind == "redacted_thinking":
         return unsupported(f"{where}.type", "redacted thinking is encrypted Anthropic reasoning that ninfer cannot "
                            "decrypt or restore; drop the block or replay visible thinking")
     reason = _UNSUPPORTED_BLOCKS.get(kind)
     if reason is not None:
         return unsupported(f"{where}.type", f"{kind} blocks cannot be processed: {reason}, which ninfer does not have")
-    return malformed(f"{where}.type", f"unknown content block type {kind!r}")
+    return malformed(f"{where}.type", f"unknown content block type {quoted(kind)}")
 
 
 def _text(block: Mapping[str, Any], where: str) -> str:
@@ -182,12 +184,12 @@ def _image(block: Mapping[str, Any], where: str, vision: bool, marked: bool) -> 
     source = block.get("source")
     if not isinstance(source, dict):
         raise malformed(f"{where}.source", f"expected an image source object, got {type_name(source)}")
-    kind = source.get("type")
+    kind = type_tag(source, f"{where}.source")
     if kind == "base64":
         media_type, data = source.get("media_type"), source.get("data")
         if media_type not in IMAGE_MEDIA_TYPES:
             raise malformed(f"{where}.source.media_type", f"expected one of {', '.join(IMAGE_MEDIA_TYPES)}, got "
-                            f"{media_type!r}")
+                            f"{quoted(media_type)}")
         if not isinstance(data, str) or not data:
             raise malformed(f"{where}.source.data", "expected non-empty base64 data")
         url = f"data:{media_type};base64,{data}"
@@ -200,10 +202,9 @@ def _image(block: Mapping[str, Any], where: str, vision: bool, marked: bool) -> 
         raise unsupported(f"{where}.source.type", "file sources need the Files API, which ninfer does not have; send "
                           "base64 data or a URL")
     else:
-        raise malformed(f"{where}.source.type", f"expected 'base64' or 'url', got {kind!r}")
+        raise malformed(f"{where}.source.type", f"expected 'base64' or 'url', got {quoted(kind)}")
     if not vision:
-        raise InvalidRequestError(f"{where}: image input requires the server to be started with --vision",
-                                  param=where, code=VISION_DISABLED)
+        raise vision_disabled(where, "image")
     return ImagePart(url, marked)
 
 
@@ -220,7 +221,7 @@ def _result_parts(block: Mapping[str, Any], path: Path, where: str, plan: CacheP
             at, spot = f"{where}.content.{k}", (*path, "content", k)
             if not isinstance(part, dict):
                 raise malformed(at, f"expected a content block, got {type_name(part)}")
-            kind = part.get("type")
+            kind = type_tag(part, at)
             if kind == "text":
                 parts.append(TextPart(_text(part, at), spot in plan.marked))
             elif kind == "image":
@@ -264,8 +265,8 @@ def _system_message(system: Any, plan: CachePlan) -> Message | None:
         where = f"system.{index}"
         if not isinstance(block, dict):
             raise malformed(where, f"expected a text block, got {type_name(block)}")
-        if block.get("type") != "text":
-            raise malformed(f"{where}.type", f"system blocks must be text blocks, got {block.get('type')!r}")
+        if type_tag(block, where) != "text":
+            raise malformed(f"{where}.type", f"system blocks must be text blocks, got {quoted(block.get('type'))}")
         text = _text(block, where)
         if ("system", index) != plan.billing_block:
             parts.append(TextPart(text, ("system", index) in plan.marked))
@@ -282,9 +283,9 @@ def _turns(raw: Any) -> list[Turn]:
         where = f"messages.{index}"
         if not isinstance(message, dict):
             raise malformed(where, f"expected a message object, got {type_name(message)}")
-        role = message.get("role")
+        role = type_tag(message, where, "role")
         if role not in ROLES:
-            raise malformed(f"{where}.role", f"expected 'user', 'assistant' or 'system', got {role!r}")
+            raise malformed(f"{where}.role", f"expected 'user', 'assistant' or 'system', got {quoted(role)}")
         content = message.get("content")
         if not isinstance(content, (str, list)):
             raise malformed(f"{where}.content", f"expected a string or an array of blocks, got {type_name(content)}")
@@ -314,7 +315,8 @@ class HistoryLowering:
         results: list[tuple[Path, Mapping[str, Any]]] = []
         parts: list[ContentPart] = []
         for path, block in turn.blocks:
-            where, kind = dotted(path), block.get("type")
+            where = dotted(path)
+            kind = type_tag(block, where)
             if kind == "tool_result":
                 if parts:
                     raise InvalidRequestError(f"{where}: tool_result blocks must come before any other content of "
@@ -340,11 +342,11 @@ class HistoryLowering:
             if not isinstance(call_id, str) or not call_id:
                 raise malformed(f"{where}.tool_use_id", "expected the id of the tool_use this result answers")
             if call_id in lowered:
-                raise InvalidRequestError(f"{where}: duplicate tool_result for tool_use id {call_id!r}", param=where,
-                                          code=INVALID_TOOL_HISTORY)
+                raise InvalidRequestError(f"{where}: duplicate tool_result for tool_use id {quoted(call_id)}",
+                                          param=where, code=INVALID_TOOL_HISTORY)
             if self.pending and call_id not in self.pending or not self.pending and self.seen_assistant:
-                raise InvalidRequestError(f"{where}: tool_result {call_id!r} answers no tool_use of the preceding "
-                                          "assistant turn", param=where, code=INVALID_TOOL_HISTORY)
+                raise InvalidRequestError(f"{where}: tool_result {quoted(call_id)} answers no tool_use of the "
+                                          "preceding assistant turn", param=where, code=INVALID_TOOL_HISTORY)
             is_error = block.get("is_error", False)
             if not isinstance(is_error, bool):
                 raise malformed(f"{where}.is_error", f"expected a boolean, got {type_name(is_error)}")
@@ -369,7 +371,8 @@ class HistoryLowering:
         calls: list[ToolCall] = []
         phase = 0  # 0 thinking, 1 text, 2 tool_use: the order a Qwen assistant turn can represent
         for path, block in turn.blocks:
-            where, kind = dotted(path), block.get("type")
+            where = dotted(path)
+            kind = type_tag(block, where)
             if kind == "thinking":
                 thinking, signature = block.get("thinking"), block.get("signature")
                 if not isinstance(thinking, str):
@@ -390,7 +393,8 @@ class HistoryLowering:
                 phase = 2
                 call = attrs.evolve(self._call(block, where), cache_breakpoint=path in self.plan.marked)
                 if any(existing.call_id == call.call_id for existing in calls):
-                    raise malformed(f"{where}.id", f"duplicate tool_use id {call.call_id!r} in one assistant turn")
+                    raise malformed(f"{where}.id", f"duplicate tool_use id {quoted(call.call_id)} in one assistant "
+                                                   "turn")
                 calls.append(call)
             elif kind == "image":
                 raise malformed(f"{where}.type", "image blocks are not valid in assistant messages")
@@ -442,7 +446,7 @@ def lower_history(body: Mapping[str, Any], plan: CachePlan, *, vision: bool) -> 
         if turn.role == "system":
             parts = []
             for path, block in turn.blocks:
-                if block.get("type") != "text":
+                if type_tag(block, dotted(path)) != "text":
                     raise malformed(f"{dotted(path)}.type", "system messages may only contain text blocks")
                 parts.append(TextPart(_text(block, dotted(path)), path in plan.marked))
             lowering.messages.append(Message("system", tuple(parts)))

@@ -26,7 +26,9 @@ from ninfer.protocols.fields import (
     optional_number,
     optional_object,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
 )
 
@@ -76,7 +78,7 @@ def parse_model(body: Mapping[str, Any]) -> str:
     """Any non-empty label: the resident artifact serves every request, the label is echoed."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        shown = "missing" if model is None else f"{type_name(model)} {model!r}"
+        shown = "missing" if model is None else f"{type_name(model)} {quoted(model)}"
         raise InvalidRequestError(f"model: a non-empty model label is required (got {shown})", param="model",
                                   code="missing_required_parameter" if model is None else "invalid_value")
     return model
@@ -98,7 +100,7 @@ def parse_stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise malformed("stop_sequences", f"expected an array of strings, got {type_name(raw)}")
     for index, value in enumerate(raw):
         if not isinstance(value, str) or not value:
-            raise malformed(f"stop_sequences.{index}", f"expected a non-empty string, got {value!r}")
+            raise malformed(f"stop_sequences.{index}", f"expected a non-empty string, got {quoted(value)}")
     if len(raw) > MAX_STOP_SEQUENCES:
         raise unsupported("stop_sequences", f"the engine matches at most {MAX_STOP_SEQUENCES} stop sequences per "
                           f"request, got {len(raw)}")
@@ -136,20 +138,20 @@ def parse_thinking(body: Mapping[str, Any], max_tokens: int | None) -> ThinkingC
     config = optional_object(body, "thinking")
     if config is None:
         return ThinkingChoice(None)
-    kind = config.get("type")
+    kind = type_tag(config, "thinking")
     if kind not in ("disabled", "adaptive", "enabled"):
-        raise malformed("thinking.type", f"expected 'disabled', 'adaptive' or 'enabled', got {kind!r}")
+        raise malformed("thinking.type", f"expected 'disabled', 'adaptive' or 'enabled', got {quoted(kind)}")
     if kind == "disabled":
         return ThinkingChoice(False)
     display = optional_str(config, "display", "thinking.display")
     if display is not None and display not in THINKING_DISPLAYS:
-        raise malformed("thinking.display", f"expected 'summarized' or 'omitted', got {display!r}")
+        raise malformed("thinking.display", f"expected 'summarized' or 'omitted', got {quoted(display)}")
     omitted = display == "omitted"
     if kind == "adaptive":
         return ThinkingChoice(True, omitted=omitted)
     budget = config.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise malformed("thinking.budget_tokens", f"expected an integer, got {budget!r}")
+        raise malformed("thinking.budget_tokens", f"expected an integer, got {quoted(budget)}")
     if budget < MIN_THINKING_BUDGET:
         raise malformed("thinking.budget_tokens", f"must be at least {MIN_THINKING_BUDGET}, got {budget}")
     if max_tokens is not None and budget >= max_tokens:
@@ -168,7 +170,8 @@ def parse_effort(body: Mapping[str, Any]) -> str | None:
                           "not perform")
     effort = optional_str(config, "effort", "output_config.effort")
     if effort is not None and effort not in ANTHROPIC_EFFORTS:
-        raise malformed("output_config.effort", f"expected one of {', '.join(ANTHROPIC_EFFORTS)}, got {effort!r}")
+        raise malformed("output_config.effort", f"expected one of {', '.join(ANTHROPIC_EFFORTS)}, got "
+                                                f"{quoted(effort)}")
     return effort
 
 
@@ -178,10 +181,10 @@ def parse_effort(body: Mapping[str, Any]) -> str | None:
 def _tool(tool: Any, where: str) -> ToolDefinition:
     if not isinstance(tool, dict):
         raise malformed(where, f"expected a tool object, got {type_name(tool)}")
-    kind = tool.get("type")
+    kind = type_tag(tool, where)
     if kind not in CUSTOM_TOOL_TYPES:
-        raise unsupported(f"{where}.type", f"{kind!r} is an Anthropic-provided, server or MCP tool type; {NO_EXECUTOR} "
-                          "it (only user-defined tools are supported)")
+        raise unsupported(f"{where}.type", f"{quoted(kind)} is an Anthropic-provided, server or MCP tool type; "
+                          f"{NO_EXECUTOR} it (only user-defined tools are supported)")
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise malformed(f"{where}.name", "expected a non-empty tool name")
@@ -190,7 +193,7 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
     if not isinstance(schema, dict):
         raise malformed(f"{where}.input_schema", f"expected a JSON schema object, got {type_name(schema)}")
     if schema.get("type", "object") != "object":
-        raise malformed(f"{where}.input_schema.type", f"expected 'object', got {schema.get('type')!r}")
+        raise malformed(f"{where}.input_schema.type", f"expected 'object', got {quoted(schema.get('type'))}")
     if optional_bool(tool, "strict", f"{where}.strict"):
         raise unsupported(f"{where}.strict", "strict schema adherence needs constrained decoding, which ninfer "
                           "does not perform (use strict: false)")
@@ -224,7 +227,7 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
     for index, tool in enumerate(raw):
         parsed = _tool(tool, f"tools.{index}")
         if any(existing.name == parsed.name for existing, _ in tools):
-            raise malformed(f"tools.{index}.name", f"duplicate tool name {parsed.name!r}")
+            raise malformed(f"tools.{index}.name", f"duplicate tool name {quoted(parsed.name)}")
         tools.append((parsed, tool.get("defer_loading") is True))
     return tuple(definition for definition, deferred in tools if not deferred)
 
@@ -234,12 +237,12 @@ def parse_tool_choice(body: Mapping[str, Any], tools: tuple[ToolDefinition, ...]
     choice = optional_object(body, "tool_choice")
     if choice is None:
         return "auto"
-    kind = choice.get("type")
+    kind = type_tag(choice, "tool_choice")
     if kind in ("any", "tool"):
-        raise unsupported("tool_choice.type", f"{kind!r} forces a tool call, which needs constrained decoding; use "
-                          "'auto' or 'none'")
+        raise unsupported("tool_choice.type", f"{quoted(kind)} forces a tool call, which needs constrained "
+                          "decoding; use 'auto' or 'none'")
     if kind not in ("auto", "none"):
-        raise malformed("tool_choice.type", f"expected 'auto', 'none', 'any' or 'tool', got {kind!r}")
+        raise malformed("tool_choice.type", f"expected 'auto', 'none', 'any' or 'tool', got {quoted(kind)}")
     if optional_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use") and kind == "auto" \
             and tools:
         raise unsupported("tool_choice.disable_parallel_tool_use", "limiting the model to one call per turn needs "

@@ -165,6 +165,11 @@ def _text_key(event: OutputEvent) -> str | None:
     return None
 
 
+def error_frame(error: NinferError, request_id: str) -> bytes:
+    """A stream's terminal error: one data frame holding the OpenAI error body (no ``[DONE]`` follows)."""
+    return sse_frame(render_ninfer_error(error, OPENAI, request_id).body)
+
+
 async def chat_frames(generation: Generation, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
     """The encoded SSE frames of a streamed completion."""
     yield sse_frame(renderer.role())
@@ -177,12 +182,12 @@ async def chat_frames(generation: Generation, renderer: ChunkRenderer) -> AsyncI
             for chunk in renderer.deltas(update):
                 yield sse_frame(chunk)
     except NinferError as error:
-        yield sse_frame(render_ninfer_error(error, OPENAI, generation.request_id).body)
+        yield error_frame(error, generation.request_id)
         return
     result = generation.result
     assert result is not None
     if result.finish_reason == "cancelled":  # the client is gone, or the server is stopping: say so if anyone listens
-        yield sse_frame(render_ninfer_error(cancelled_error(generation), OPENAI, generation.request_id).body)
+        yield error_frame(cancelled_error(generation), generation.request_id)
         return
     for chunk in (*renderer.missing_arguments(result), *renderer.finish(result)):
         yield sse_frame(chunk)
@@ -192,10 +197,9 @@ async def chat_frames(generation: Generation, renderer: ChunkRenderer) -> AsyncI
 class ChatCompletionsResource:
     def __init__(self, context: Any) -> None:
         self.context = context
-        self.max_body_bytes = context.config.max_request_mib * 1024 * 1024
 
     async def on_post(self, req: Any, resp: Any) -> None:
-        body = await read_json_object(req, self.max_body_bytes)
+        body = await read_json_object(req, self.context.config)
         request = parse_chat_request(body, model_id=self.context.model_id, vision=bool(self.context.config.vision))
         job = GenerationJob(
             PROTOCOL, request.conversation, request.options, report_progress=request.return_progress,
@@ -223,7 +227,8 @@ class ChatCompletionsResource:
             await generation.start()
             await generation.admitted()
 
-        await respond_with_stream(req, resp, generation, begin, chat_frames(generation, renderer))
+        await respond_with_stream(req, resp, generation, begin, chat_frames(generation, renderer),
+                                  lambda error: error_frame(error, generation.request_id))
 
 
 def mount_openai_chat(app: Any, context: Any) -> None:

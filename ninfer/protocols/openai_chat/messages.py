@@ -20,7 +20,6 @@ from ninfer.core.conversation import (
 )
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
-    VISION_DISABLED,
     cache_breakpoint,
     json_object_string,
     malformed,
@@ -28,8 +27,11 @@ from ninfer.protocols.fields import (
     optional_list,
     optional_object,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
+    vision_disabled,
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -68,17 +70,13 @@ def _media_part(part: Mapping[str, Any], kind: str, param: str, vision: bool) ->
             if detail in ("low", "high"):
                 raise unsupported(
                     f"{param}.image_url.detail",
-                    f"explicit {detail!r} image detail cannot be honored; images are encoded at their native "
+                    f"explicit {quoted(detail)} image detail cannot be honored; images are encoded at their native "
                     "resolution (omit detail or use 'auto')",
                 )
-            raise malformed(f"{param}.image_url.detail", f"expected 'auto', 'low' or 'high', got {detail!r}")
+            raise malformed(f"{param}.image_url.detail", f"expected 'auto', 'low' or 'high', got {quoted(detail)}")
     _check_media_url(url, f"{param}.{key}.url" if source else f"{param}.{key}")
     if not vision:
-        raise InvalidRequestError(
-            f"{param}: {kind} input requires the server to be started with --vision",
-            param=param,
-            code=VISION_DISABLED,
-        )
+        raise vision_disabled(param, kind)
     breakpoint_ = cache_breakpoint(part, param)
     return ImagePart(url, breakpoint_) if kind == "image" else VideoPart(url, breakpoint_)
 
@@ -94,7 +92,7 @@ def content_parts(content: Any, role: str, param: str, vision: bool) -> tuple[Co
         where = f"{param}[{index}]"
         if not isinstance(part, dict):
             raise malformed(where, f"expected a content part object, got {type_name(part)}")
-        kind = part.get("type")
+        kind = type_tag(part, where)
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
@@ -116,7 +114,7 @@ def content_parts(content: Any, role: str, param: str, vision: bool) -> tuple[Co
             raise unsupported(f"{where}.type", f"{kind} input cannot be processed; this server accepts text, image "
                               "and video input only")
         else:
-            raise malformed(f"{where}.type", f"unknown content part type {kind!r}")
+            raise malformed(f"{where}.type", f"unknown content part type {quoted(kind)}")
     return tuple(parts)
 
 
@@ -161,9 +159,10 @@ def _history_tool_calls(message: Mapping[str, Any], param: str) -> list[ToolCall
         where = f"{param}.tool_calls[{index}]"
         if not isinstance(call, dict):
             raise malformed(where, f"expected a tool call object, got {type_name(call)}")
-        kind = call.get("type", "function")
+        kind = type_tag(call, where) if "type" in call else "function"
         if kind != "function":
-            raise unsupported(f"{where}.type", f"{kind!r} tool calls cannot be represented; only function calls are")
+            raise unsupported(f"{where}.type", f"{quoted(kind)} tool calls cannot be represented; only function "
+                                               "calls are")
         call_id = call.get("id")
         if not isinstance(call_id, str) or not call_id:
             raise malformed(f"{where}.id", "expected a non-empty tool call id")
@@ -205,9 +204,9 @@ class MessageParser:
     def message(self, message: Any, param: str) -> Message:
         if not isinstance(message, dict):
             raise malformed(param, f"expected a message object, got {type_name(message)}")
-        role = message.get("role")
+        role = type_tag(message, param, "role")
         if role not in ROLES:
-            raise malformed(f"{param}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+            raise malformed(f"{param}.role", f"expected one of {', '.join(ROLES)}, got {quoted(role)}")
         _check_name(message, role, param)
         if role == "assistant":
             return self.assistant(message, param)
@@ -275,12 +274,12 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise malformed(where, f"expected a tool object, got {type_name(tool)}")
-        kind = tool.get("type")
+        kind = type_tag(tool, where)
         if kind != "function":
             raise unsupported(
                 f"{where}.type",
-                f"{kind!r} tools need an executor or a grammar ninfer does not have; only client-executed function "
-                "tools are supported",
+                f"{quoted(kind)} tools need an executor or a grammar ninfer does not have; only client-executed "
+                "function tools are supported",
             )
         function = tool.get("function")
         name = _function_name(function, f"{where}.function")
@@ -291,7 +290,7 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[ToolDefinition, ...]:
             raise unsupported(f"{where}.function.strict", "strict schema adherence needs constrained decoding, which "
                               "ninfer does not perform (use strict: false)")
         if any(existing.name == name for existing in tools):
-            raise malformed(f"{where}.function.name", f"duplicate tool name {name!r}")
+            raise malformed(f"{where}.function.name", f"duplicate tool name {quoted(name)}")
         tools.append(ToolDefinition(name, description, parameters, wire_function=function))
     return tuple(tools)
 
@@ -304,7 +303,7 @@ def _allowed_tools(choice: Mapping[str, Any], tools: tuple[ToolDefinition, ...])
     if mode == "required":
         raise unsupported("tool_choice.allowed_tools.mode", "forcing a tool call needs constrained decoding; use 'auto'")
     if mode != "auto":
-        raise malformed("tool_choice.allowed_tools.mode", f"expected 'auto', got {mode!r}")
+        raise malformed("tool_choice.allowed_tools.mode", f"expected 'auto', got {quoted(mode)}")
     listed = spec.get("tools")
     if not isinstance(listed, list):
         raise malformed("tool_choice.allowed_tools.tools", f"expected an array, got {type_name(listed)}")
@@ -316,7 +315,7 @@ def _allowed_tools(choice: Mapping[str, Any], tools: tuple[ToolDefinition, ...])
             raise unsupported(f"{where}.type", "only function tools can be allowed")
         name = entry["function"].get("name") if isinstance(entry.get("function"), dict) else entry.get("name")
         if not isinstance(name, str) or name not in declared:
-            raise malformed(f"{where}.function.name", f"{name!r} is not a declared tool")
+            raise malformed(f"{where}.function.name", f"{quoted(name)} is not a declared tool")
         allowed.append((None, name))
     return tuple(allowed)
 
@@ -331,12 +330,12 @@ def parse_tool_choice(body: Mapping[str, Any], tools: tuple[ToolDefinition, ...]
     if choice == "required":
         raise unsupported("tool_choice", "forcing a tool call needs constrained decoding; use 'auto' or 'none'")
     if isinstance(choice, dict):
-        kind = choice.get("type")
+        kind = type_tag(choice, "tool_choice")
         if kind == "allowed_tools":
             return "auto", _allowed_tools(choice, tools)
         if kind in ("function", "custom"):
             raise unsupported("tool_choice", "forcing a named tool needs constrained decoding; use 'auto' or 'none'")
-    raise malformed("tool_choice", f"expected 'auto', 'none' or an allowed_tools object, got {choice!r}")
+    raise malformed("tool_choice", f"expected 'auto', 'none' or an allowed_tools object, got {quoted(choice)}")
 
 
 def check_legacy_tool_controls(body: Mapping[str, Any]) -> None:
@@ -351,4 +350,4 @@ def check_legacy_tool_controls(body: Mapping[str, Any]) -> None:
         return
     if isinstance(control, dict):
         raise unsupported("function_call", "forcing a named function needs constrained decoding")
-    raise malformed("function_call", f"expected 'none' or 'auto', got {control!r}")
+    raise malformed("function_call", f"expected 'none' or 'auto', got {quoted(control)}")

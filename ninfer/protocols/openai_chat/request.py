@@ -19,12 +19,15 @@ from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
     INVALID_VALUE,
     malformed,
+    member_path,
     optional_bool,
     optional_int,
     optional_number,
     optional_object,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
 )
 from ninfer.protocols.openai_chat.messages import (
@@ -70,20 +73,31 @@ class ChatRequest:
 # -- model -----------------------------------------------------------------------------------------
 
 
+def _check_served(model: str, model_id: str) -> None:
+    if model != model_id:
+        raise ModelNotFoundError(f"the model {quoted(model)} does not exist; this server serves {quoted(model_id)}",
+                                 param="model")
+
+
 def check_model(body: Mapping[str, Any], model_id: str) -> None:
-    """``model`` must be a non-empty string equal to the public model id (no fallback for a missing model)."""
+    """Responses: ``model`` must be a non-empty string equal to the public model id (no fallback)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        shown = "missing" if model is None else f"{type_name(model)} {model!r}"
+        shown = "missing" if model is None else f"{type_name(model)} {quoted(model)}"
         raise InvalidRequestError(
-            f"model: a non-empty model name is required (got {shown}); this server serves {model_id!r}",
+            f"model: a non-empty model name is required (got {shown}); this server serves {quoted(model_id)}",
             param="model",
             code="missing_required_parameter" if model is None else INVALID_VALUE,
         )
-    if model != model_id:
-        raise ModelNotFoundError(
-            f"the model {model!r} does not exist; this server serves {model_id!r}", param="model"
-        )
+    _check_served(model, model_id)
+
+
+def check_chat_model(body: Mapping[str, Any], model_id: str) -> None:
+    """Chat Completions serve the loaded model when ``model`` is omitted or is not a non-empty string (the
+    llama.cpp behaviour the reference contract adopts); a non-empty name must be the public model id."""
+    model = body.get("model")
+    if isinstance(model, str) and model:
+        _check_served(model, model_id)
 
 
 # -- sampling and limits ---------------------------------------------------------------------------
@@ -100,7 +114,7 @@ def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise malformed("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(values)}")
     for value in values:
         if not isinstance(value, str) or not value:
-            raise malformed("stop", f"stop strings must be non-empty strings, got {value!r}")
+            raise malformed("stop", f"stop strings must be non-empty strings, got {quoted(value)}")
     return tuple(values)
 
 
@@ -136,7 +150,7 @@ def _check_output_controls(body: Mapping[str, Any]) -> None:
     bias = optional_object(body, "logit_bias")
     for token, value in (bias or {}).items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise malformed(f"logit_bias.{token}", f"expected a finite number, got {value!r}")
+            raise malformed(member_path("logit_bias", token), f"expected a finite number, got {quoted(value)}")
         if value != 0:
             raise unsupported("logit_bias", "nonzero logit biases cannot be applied by the sampler")
     if optional_bool(body, "logprobs"):
@@ -146,23 +160,24 @@ def _check_output_controls(body: Mapping[str, Any]) -> None:
         raise unsupported("top_logprobs", "log probabilities are not reported")
     response_format = optional_object(body, "response_format")
     if response_format is not None:
-        kind = response_format.get("type")
+        kind = type_tag(response_format, "response_format")
         if kind in ("json_object", "json_schema"):
             raise unsupported("response_format", f"{kind} output needs constrained decoding; {NO_CONSTRAINED_DECODING}")
         if kind != "text":
-            raise malformed("response_format.type", f"expected 'text', got {kind!r}")
+            raise malformed("response_format.type", f"expected 'text', got {quoted(kind)}")
     for alias in CONSTRAINED_DECODING_ALIASES:
         if body.get(alias) is not None:
             raise unsupported(alias, NO_CONSTRAINED_DECODING)
     verbosity = body.get("verbosity")
     if verbosity is not None and verbosity != "medium":
         if verbosity in ("low", "high"):
-            raise unsupported("verbosity", f"{verbosity!r} verbosity cannot be controlled; only 'medium' is neutral")
-        raise malformed("verbosity", f"expected 'low', 'medium' or 'high', got {verbosity!r}")
+            raise unsupported("verbosity", f"{quoted(verbosity)} verbosity cannot be controlled; only 'medium' is "
+                                           "neutral")
+        raise malformed("verbosity", f"expected 'low', 'medium' or 'high', got {quoted(verbosity)}")
     penalty = body.get("repetition_penalty")
     if penalty is not None:
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-            raise malformed("repetition_penalty", f"expected a number, got {penalty!r}")
+            raise malformed("repetition_penalty", f"expected a number, got {quoted(penalty)}")
         if penalty != 1:
             raise unsupported("repetition_penalty", "only the neutral value 1 is accepted; use presence_penalty or "
                               "frequency_penalty")
@@ -177,7 +192,7 @@ def _check_modalities(body: Mapping[str, Any]) -> None:
             raise unsupported("modalities", "audio output cannot be produced; only text output is supported")
         unknown = [item for item in modalities if item != "text"]
         if unknown:
-            raise malformed("modalities", f"unknown output modality {unknown[0]!r}")
+            raise malformed("modalities", f"unknown output modality {quoted(unknown[0])}")
     optional_object(body, "audio")  # a text-only request's audio configuration has no effect
 
 
@@ -198,15 +213,16 @@ def _check_advisory(body: Mapping[str, Any]) -> None:
     metadata = optional_object(body, "metadata")
     for key, value in (metadata or {}).items():
         if not isinstance(value, str):
-            raise malformed(f"metadata.{key}", f"expected a string, got {type_name(value)}")
+            raise malformed(member_path("metadata", key), f"expected a string, got {type_name(value)}")
     for key in ("user", "safety_identifier", "service_tier", "prompt_cache_key"):
         optional_str(body, key)
     retention = body.get("prompt_cache_retention")
     if retention is not None and retention not in CACHE_RETENTIONS:
-        raise malformed("prompt_cache_retention", f"expected 'in_memory' or '24h', got {retention!r}")
+        raise malformed("prompt_cache_retention", f"expected 'in_memory' or '24h', got {quoted(retention)}")
     options = optional_object(body, "prompt_cache_options")
     if options is not None and options.get("mode") is not None and options["mode"] not in CACHE_MODES:
-        raise malformed("prompt_cache_options.mode", f"expected 'implicit' or 'explicit', got {options['mode']!r}")
+        raise malformed("prompt_cache_options.mode", f"expected 'implicit' or 'explicit', got "
+                                                     f"{quoted(options['mode'])}")
     prediction = body.get("prediction")
     if prediction is not None and not isinstance(prediction, dict):
         raise malformed("prediction", f"expected an object, got {type_name(prediction)}")
@@ -234,13 +250,13 @@ def parse_thinking(body: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in kwargs.items():
         if key not in TEMPLATE_KWARGS and value is not None:
             raise unsupported(
-                f"chat_template_kwargs.{key}",
+                member_path("chat_template_kwargs", key),
                 "only enable_thinking and preserve_thinking may be passed to the chat template; other template "
                 "variables would silently change prompt semantics",
             )
     effort = optional_str(body, "reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise malformed("reasoning_effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+        raise malformed("reasoning_effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got {quoted(effort)}")
     return {
         "enable_thinking": _template_option(body, kwargs, "enable_thinking"),
         "preserve_thinking": _template_option(body, kwargs, "preserve_thinking"),
@@ -261,7 +277,7 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 def parse_chat_request(body: Mapping[str, Any], *, model_id: str, vision: bool) -> ChatRequest:
     """Validate a Chat Completions body; raises a field-specific :class:`InvalidRequestError` (or 404 model)."""
-    check_model(body, model_id)
+    check_chat_model(body, model_id)
     messages = MessageParser(vision).parse(body.get("messages"))
     tools = parse_tools(body)
     tool_choice, allowed = parse_tool_choice(body, tools)

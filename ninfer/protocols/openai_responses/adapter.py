@@ -36,7 +36,7 @@ from ninfer.core.frontend import (
 )
 from ninfer.core.request import SessionKey
 from ninfer.observability import oplog
-from ninfer.protocols.fields import malformed, unsupported
+from ninfer.protocols.fields import malformed, quoted, unsupported
 from ninfer.protocols.openai_responses.request import (
     ParentContext,
     ResponsesRequest,
@@ -55,12 +55,12 @@ from ninfer.server.generation import (
     cancelled_error,
     respond_with_stream,
 )
-from ninfer.server.http import json_bytes, read_json_object, sse_frame
+from ninfer.server.http import MIB, json_bytes, read_json_object, sse_frame
 
 PROTOCOL = "openai_responses"
 STORE_KEY = "responses.store"
 WARNED_HOSTED_KEY = "responses.warned_hosted_tools"
-MIB = 1024 * 1024
+
 INPUT_ITEMS_DEFAULT_LIMIT, INPUT_ITEMS_MAX_LIMIT = 20, 100
 #: Frontend error params renamed to the Responses field that carries the same value.
 _PARAM_ALIASES = {"messages": "input", "reasoning_effort": "reasoning.effort", "enable_thinking": "reasoning.effort",
@@ -383,6 +383,11 @@ class ResponseEvents:
         self.sequence += 1
         return sse_frame(data, event=event)
 
+    def failed_frame(self, error: NinferError) -> bytes:
+        """The terminal ``response.failed`` event carrying ``error``."""
+        failed = self.run.snapshot("failed", error={"code": error.code, "message": error.message})
+        return self._frame("response.failed", {"response": failed})
+
     async def frames(self) -> AsyncIterator[bytes]:
         run = self.run
         yield self._frame("response.created", {"response": run.snapshot("in_progress")})
@@ -395,8 +400,7 @@ class ResponseEvents:
                 yield self._frame(event, payload)
             run.keep(body)
         except NinferError as error:
-            failed = run.snapshot("failed", error={"code": error.code, "message": error.message})
-            yield self._frame("response.failed", {"response": failed})
+            yield self.failed_frame(error)
             return
         if body["status"] == "cancelled":  # the client is gone or the server is stopping: say why if anyone listens
             error = cancelled_error(run.generation)
@@ -412,11 +416,10 @@ class ResponseEvents:
 class _Resource:
     def __init__(self, context: Any) -> None:
         self.context = context
-        self.max_body_bytes = context.config.max_request_mib * MIB
 
     async def parse(self, req: Any, *, count_only: bool = False) -> tuple[ResponsesRequest, StoredResponse | None]:
         """The parsed request and the stored ``previous_response_id`` Response it continues (None for a root)."""
-        body = await read_json_object(req, self.max_body_bytes)
+        body = await read_json_object(req, self.context.config)
         parents: list[StoredResponse] = []
 
         def lookup(response_id: str) -> ParentContext:
@@ -437,8 +440,8 @@ class _Resource:
         for kind in dict.fromkeys(kinds):
             if kind not in warned:
                 warned.add(kind)
-                oplog.get_logger().warning(f"Responses tool type {kind!r} is hosted by OpenAI and has no executor "
-                                           "here: left out of the effective tools (--hosted-tools ignore)")
+                oplog.get_logger().warning(f"Responses tool type {quoted(kind)} is hosted by OpenAI and has no "
+                                           "executor here: left out of the effective tools (--hosted-tools ignore)")
 
 
 def _json(resp: Any, body: Any) -> None:
@@ -468,7 +471,8 @@ class CreateResource(_Resource):
         _json(resp, body)
 
     async def _stream(self, req: Any, resp: Any, run: ResponseRun) -> None:
-        await respond_with_stream(req, resp, run.generation, run.start, ResponseEvents(run).frames())
+        events = ResponseEvents(run)
+        await respond_with_stream(req, resp, run.generation, run.start, events.frames(), events.failed_frame)
 
 
 class InputTokensResource(_Resource):
@@ -527,12 +531,12 @@ class InputItemsResource(_Resource):
         try:
             limit = INPUT_ITEMS_DEFAULT_LIMIT if limit_text is None else int(limit_text)
         except ValueError:
-            raise malformed("limit", f"expected an integer, got {limit_text!r}") from None
+            raise malformed("limit", f"expected an integer, got {quoted(limit_text)}") from None
         if not 1 <= limit <= INPUT_ITEMS_MAX_LIMIT:
             raise malformed("limit", f"{limit} is out of range (expected 1..{INPUT_ITEMS_MAX_LIMIT})")
         order = req.get_param("order") or "desc"
         if order not in ("asc", "desc"):
-            raise malformed("order", f"expected 'asc' or 'desc', got {order!r}")
+            raise malformed("order", f"expected 'asc' or 'desc', got {quoted(order)}")
         items = list(_store(self.context).get(response_id).context.input_items)
         if order == "desc":
             items.reverse()
@@ -540,7 +544,7 @@ class InputItemsResource(_Resource):
         if after is not None:
             position = next((i for i, item in enumerate(items) if item["id"] == after), None)
             if position is None:
-                raise malformed("after", f"{after!r} is not an input Item id of response {response_id!r}")
+                raise malformed("after", f"{quoted(after)} is not an input Item id of response {quoted(response_id)}")
             items = items[position + 1:]
         page = items[:limit]
         _json(resp, {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

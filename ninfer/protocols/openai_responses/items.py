@@ -11,13 +11,15 @@ from typing import Any, Mapping
 
 from ninfer.core.errors import InvalidRequestError
 from ninfer.protocols.fields import (
-    VISION_DISABLED,
     cache_breakpoint,
     json_object_string,
     malformed,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
+    vision_disabled,
 )
 from ninfer.protocols.reasoning_codec import decode_reasoning
 
@@ -56,23 +58,22 @@ def _media_part(part: Mapping[str, Any], kind: str, param: str, vision: bool) ->
         detail = part.get("detail")
         if detail not in (None, "auto"):
             if detail in ("low", "high", "original"):
-                raise unsupported(f"{param}.detail", f"explicit {detail!r} image detail cannot be honored; images are "
-                                  "encoded at their native resolution (omit detail or use 'auto')")
-            raise malformed(f"{param}.detail", f"expected 'auto', 'low' or 'high', got {detail!r}")
+                raise unsupported(f"{param}.detail", f"explicit {quoted(detail)} image detail cannot be honored; "
+                                  "images are encoded at their native resolution (omit detail or use 'auto')")
+            raise malformed(f"{param}.detail", f"expected 'auto', 'low' or 'high', got {quoted(detail)}")
         canonical = {"type": kind, "image_url": _check_media_source(part.get("image_url"), f"{param}.image_url"),
                      "detail": "auto"}
     else:
         canonical = {"type": kind, "video_url": _check_media_source(part.get("video_url"), f"{param}.video_url")}
     if not vision:
-        raise InvalidRequestError(f"{param}: {kind.removeprefix('input_')} input requires the server to be started "
-                                  "with --vision", param=param, code=VISION_DISABLED)
+        raise vision_disabled(param, kind.removeprefix("input_"))
     return canonical
 
 
 def _content_part(part: Any, role: str, param: str, vision: bool) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise malformed(param, f"expected a content part object, got {type_name(part)}")
-    kind = part.get("type")
+    kind = type_tag(part, param)
     if kind == "input_text":
         canonical: dict[str, Any] = {"type": kind, "text": _text_value(part, "text", param)}
     elif kind in ("output_text", "refusal"):
@@ -89,16 +90,16 @@ def _content_part(part: Any, role: str, param: str, vision: bool) -> dict[str, A
     elif kind in ("input_file", "input_audio"):
         raise unsupported(f"{param}.type", f"{kind} content cannot be processed; text, image and video input only")
     else:
-        raise malformed(f"{param}.type", f"unknown content part type {kind!r}")
+        raise malformed(f"{param}.type", f"unknown content part type {quoted(kind)}")
     if cache_breakpoint(part, param):
         canonical["prompt_cache_breakpoint"] = {"mode": "explicit"}
     return canonical
 
 
 def _message_item(item: Mapping[str, Any], param: str, vision: bool) -> dict[str, Any]:
-    role = item.get("role")
+    role = type_tag(item, param, "role")
     if role not in MESSAGE_ROLES:
-        raise malformed(f"{param}.role", f"expected one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
+        raise malformed(f"{param}.role", f"expected one of {', '.join(MESSAGE_ROLES)}, got {quoted(role)}")
     content = item.get("content")
     if isinstance(content, str):
         parts = [{"type": "output_text", "text": content, "annotations": []} if role == "assistant"
@@ -144,8 +145,8 @@ def _reasoning_item(item: Mapping[str, Any], param: str) -> dict[str, Any]:
 def _check_completed(item: Mapping[str, Any], param: str) -> None:
     status = item.get("status")
     if status not in (None, "completed"):
-        raise unsupported(f"{param}.status", f"a {status!r} tool Item cannot be replayed; only completed calls and "
-                          "results are representable")
+        raise unsupported(f"{param}.status", f"a {quoted(status)} tool Item cannot be replayed; only completed "
+                          "calls and results are representable")
 
 
 def _name_fields(item: Mapping[str, Any], param: str, *, required: bool) -> dict[str, str]:
@@ -203,8 +204,8 @@ def _function_output_item(item: Mapping[str, Any], param: str, vision: bool) -> 
         for index, part in enumerate(output):
             where = f"{param}.output[{index}]"
             if isinstance(part, dict) and part.get("type") not in ("input_text", "input_image"):
-                raise unsupported(f"{where}.type", f"{part.get('type')!r} tool output cannot be represented; use "
-                                  "input_text or input_image parts")
+                raise unsupported(f"{where}.type", f"{quoted(part.get('type'))} tool output cannot be represented; "
+                                  "use input_text or input_image parts")
             canonical_output.append(_content_part(part, "user", where, vision))
     elif isinstance(output, str):
         canonical_output = output
@@ -224,7 +225,9 @@ def canonical_item(item: Any, param: str, vision: bool) -> dict[str, Any]:
     """Validate one input Item and return its canonical form (``id`` kept when supplied, generated otherwise)."""
     if not isinstance(item, dict):
         raise malformed(param, f"expected an Item object, got {type_name(item)}")
-    kind = item.get("type", "message" if "role" in item else None)
+    kind = type_tag(item, param)
+    if kind is None and "role" in item:
+        kind = "message"
     if kind == "message":
         canonical = _message_item(item, param, vision)
     elif kind == "reasoning":
@@ -236,8 +239,8 @@ def canonical_item(item: Any, param: str, vision: bool) -> dict[str, Any]:
     elif kind in RESULT_TYPES:
         canonical = _function_output_item(item, param, vision)
     elif isinstance(kind, str):
-        raise unsupported(f"{param}.type", f"{kind!r} Items cannot be represented; supported Items are message, "
-                          "reasoning, function_call, function_call_output, custom_tool_call and "
+        raise unsupported(f"{param}.type", f"{quoted(kind)} Items cannot be represented; supported Items are "
+                          "message, reasoning, function_call, function_call_output, custom_tool_call and "
                           "custom_tool_call_output")
     else:
         raise malformed(f"{param}.type", "expected an Item type (or a message role)")
@@ -249,8 +252,8 @@ def canonical_item(item: Any, param: str, vision: bool) -> dict[str, Any]:
 
 
 def canonical_input(raw: Any, vision: bool) -> tuple[dict[str, Any], ...]:
-    """The canonical Items of ``input`` (a string is one user message)."""
-    if raw is None:
+    """The canonical Items of ``input``: a non-empty string is one user message; null and "" are no input."""
+    if raw is None or raw == "":
         return ()
     if isinstance(raw, str):
         return (canonical_item({"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]},

@@ -32,12 +32,15 @@ from ninfer.protocols.fields import (
     INVALID_VALUE,
     json_object_string,
     malformed,
+    member_path,
     optional_bool,
     optional_int,
     optional_number,
     optional_object,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
 )
 from ninfer.protocols.openai_chat.request import CACHE_MODES, CACHE_RETENTIONS, check_model
@@ -142,7 +145,7 @@ class _TurnBuilder:
 
     def add(self, item: Mapping[str, Any], param: str, historical: bool) -> None:
         if item["id"] in self.seen_item_ids:
-            raise malformed(f"{param}.id", f"duplicate Item id {item['id']!r} in the conversation")
+            raise malformed(f"{param}.id", f"duplicate Item id {quoted(item['id'])} in the conversation")
         self.seen_item_ids.add(item["id"])
         kind = item["type"]
         if kind in RESULT_TYPES:
@@ -154,7 +157,7 @@ class _TurnBuilder:
             if kind in CALL_TYPES:
                 if item["call_id"] in self.seen_call_ids:
                     raise _history_error(f"{param}.call_id", INVALID_TOOL_HISTORY,
-                                         f"duplicate call_id {item['call_id']!r}")
+                                         f"duplicate call_id {quoted(item['call_id'])}")
                 self.seen_call_ids.add(item["call_id"])
             self.turn = self.turn or _AssistantTurn()
             self.turn.add(item, param, historical)
@@ -187,13 +190,15 @@ class _TurnBuilder:
             call = calls.get(item["call_id"])
             if call is None:
                 raise _history_error(f"{param}.call_id", INVALID_TOOL_HISTORY,
-                                     f"no function_call with call_id {item['call_id']!r} directly precedes this result")
+                                     f"no function_call with call_id {quoted(item['call_id'])} directly precedes "
+                                     "this result")
             if item["call_id"] in by_id:
                 raise _history_error(f"{param}.call_id", INVALID_TOOL_HISTORY,
-                                     f"duplicate result for call_id {item['call_id']!r}")
+                                     f"duplicate result for call_id {quoted(item['call_id'])}")
             if item.get("name", call.name) != call.name or item.get("namespace", call.namespace) != call.namespace:
                 raise _history_error(param, INVALID_TOOL_HISTORY, f"the result's name/namespace does not match call "
-                                     f"{item['call_id']!r} ({call.namespace + '.' if call.namespace else ''}{call.name})")
+                                     f"{quoted(item['call_id'])} "
+                                     f"({call.namespace + '.' if call.namespace else ''}{call.name})")
             by_id[item["call_id"]] = item
         if not all(call.call_id in by_id for call in self.answerable[: len(by_id)]):
             raise _history_error(self.results[0][1], INVALID_TOOL_HISTORY, "results answer a later call while an "
@@ -232,7 +237,8 @@ def conversation_messages(history: Sequence[Mapping[str, Any]], items: Sequence[
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for key in body:
         if key not in allowed:
-            raise InvalidRequestError(f"unknown parameter {key!r}", param=key, code=UNKNOWN_PARAMETER)
+            raise InvalidRequestError(f"unknown parameter {quoted(key)}", param=member_path("", key),
+                                      code=UNKNOWN_PARAMETER)
     for key, guarantee in UNSUPPORTED_FIELDS.items():
         if body.get(key) is not None:
             raise unsupported(key, guarantee)
@@ -241,7 +247,8 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
 def _check_nested(value: Mapping[str, Any], path: str, allowed: Sequence[str]) -> None:
     for key in value:
         if key not in allowed:
-            raise InvalidRequestError(f"unknown parameter {path}.{key}", param=f"{path}.{key}", code=UNKNOWN_PARAMETER)
+            where = member_path(path, key)
+            raise InvalidRequestError(f"unknown parameter {where}", param=where, code=UNKNOWN_PARAMETER)
 
 
 def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
@@ -249,14 +256,14 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
     _check_nested(reasoning, "reasoning", ("effort", "summary", "generate_summary"))
     effort = optional_str(reasoning, "effort", "reasoning.effort")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise malformed("reasoning.effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+        raise malformed("reasoning.effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got {quoted(effort)}")
     for key in ("summary", "generate_summary"):
         summary = reasoning.get(key)
         if summary in ("concise", "detailed"):
             raise unsupported(f"reasoning.{key}", "reasoning summaries are not generated; the raw reasoning_text is "
                               "returned instead (omit the field or use 'auto')")
         if summary not in (None, "auto"):
-            raise malformed(f"reasoning.{key}", f"expected 'auto', 'concise' or 'detailed', got {summary!r}")
+            raise malformed(f"reasoning.{key}", f"expected 'auto', 'concise' or 'detailed', got {quoted(summary)}")
     return effort
 
 
@@ -264,8 +271,8 @@ def _preserve_thinking(body: Mapping[str, Any]) -> bool | None:
     kwargs = optional_object(body, "chat_template_kwargs") or {}
     for key, value in kwargs.items():
         if key != "preserve_thinking" and value is not None:
-            raise unsupported(f"chat_template_kwargs.{key}", "only preserve_thinking may be passed to the chat "
-                              "template in Responses (use reasoning.effort for thinking)")
+            raise unsupported(member_path("chat_template_kwargs", key), "only preserve_thinking may be passed to "
+                              "the chat template in Responses (use reasoning.effort for thinking)")
     top = optional_bool(body, "preserve_thinking")
     nested = optional_bool(kwargs, "preserve_thinking", "chat_template_kwargs.preserve_thinking")
     if top is not None and nested is not None and top != nested:
@@ -279,21 +286,22 @@ def _check_text_and_truncation(body: Mapping[str, Any]) -> None:
     _check_nested(text, "text", ("format", "verbosity"))
     text_format = optional_object(text, "format", "text.format")
     if text_format is not None:
-        kind = text_format.get("type")
+        kind = type_tag(text_format, "text.format")
         if kind in ("json_object", "json_schema"):
             raise unsupported("text.format", f"{kind} output needs constrained decoding, which ninfer does not perform")
         if kind != "text":
-            raise malformed("text.format.type", f"expected 'text', got {kind!r}")
+            raise malformed("text.format.type", f"expected 'text', got {quoted(kind)}")
     verbosity = text.get("verbosity")
     if verbosity in ("low", "high"):
-        raise unsupported("text.verbosity", f"{verbosity!r} verbosity cannot be controlled; only 'medium' is neutral")
+        raise unsupported("text.verbosity", f"{quoted(verbosity)} verbosity cannot be controlled; only 'medium' is "
+                                            "neutral")
     if verbosity not in (None, "medium"):
-        raise malformed("text.verbosity", f"expected 'low', 'medium' or 'high', got {verbosity!r}")
+        raise malformed("text.verbosity", f"expected 'low', 'medium' or 'high', got {quoted(verbosity)}")
     truncation = body.get("truncation")
     if truncation == "auto":
         raise unsupported("truncation", "overlong input fails instead of silently dropping Items (use 'disabled')")
     if truncation not in (None, "disabled"):
-        raise malformed("truncation", f"expected 'disabled' or 'auto', got {truncation!r}")
+        raise malformed("truncation", f"expected 'disabled' or 'auto', got {quoted(truncation)}")
 
 
 def parse_include(include: Any, param: str) -> bool:
@@ -304,9 +312,9 @@ def parse_include(include: Any, param: str) -> bool:
         raise malformed(param, f"expected an array, got {type_name(include)}")
     for index, value in enumerate(include):
         if value != INCLUDE_ENCRYPTED_REASONING:
-            raise unsupported(f"{param}[{index}]", f"{value!r} cannot be included: only "
-                              f"{INCLUDE_ENCRYPTED_REASONING!r} is available (logprobs and hosted tool results are "
-                              "not produced)")
+            raise unsupported(f"{param}[{index}]", f"{quoted(value)} cannot be included: only "
+                              f"{quoted(INCLUDE_ENCRYPTED_REASONING)} is available (logprobs and hosted tool "
+                              "results are not produced)")
     return bool(include)
 
 
@@ -316,18 +324,20 @@ def _check_create_controls(body: Mapping[str, Any]) -> None:
         raise malformed("metadata", f"at most {METADATA_MAX_PAIRS} pairs are allowed, got {len(metadata)}")
     for key, value in metadata.items():
         if len(key) > METADATA_MAX_KEY:
-            raise malformed("metadata", f"key {key[:16]!r}... is longer than {METADATA_MAX_KEY} characters")
+            raise malformed("metadata", f"key {quoted(key[:16])}... is longer than {METADATA_MAX_KEY} characters")
         if not isinstance(value, str) or len(value) > METADATA_MAX_VALUE:
-            raise malformed(f"metadata.{key}", f"expected a string of at most {METADATA_MAX_VALUE} characters")
+            raise malformed(member_path("metadata", key), f"expected a string of at most {METADATA_MAX_VALUE} "
+                                                          "characters")
     optional_object(body, "client_metadata")
     optional_int(body, "max_tool_calls", 0)
     if optional_int(body, "top_logprobs", 0):
         raise unsupported("top_logprobs", "log probabilities are not reported")
     tier = body.get("service_tier")
     if tier in ("flex", "scale", "priority"):
-        raise unsupported("service_tier", f"the {tier!r} tier does not exist on a local server (use 'auto' or 'default')")
+        raise unsupported("service_tier", f"the {quoted(tier)} tier does not exist on a local server (use 'auto' or "
+                                          "'default')")
     if tier not in (None, "auto", "default"):
-        raise malformed("service_tier", f"expected 'auto' or 'default', got {tier!r}")
+        raise malformed("service_tier", f"expected 'auto' or 'default', got {quoted(tier)}")
     if optional_bool(body, "background"):
         raise unsupported("background", "background execution is not available")
     stream_options = optional_object(body, "stream_options") or {}
@@ -337,10 +347,11 @@ def _check_create_controls(body: Mapping[str, Any]) -> None:
         optional_str(body, key)
     retention = body.get("prompt_cache_retention")
     if retention is not None and retention not in CACHE_RETENTIONS:
-        raise malformed("prompt_cache_retention", f"expected 'in_memory' or '24h', got {retention!r}")
+        raise malformed("prompt_cache_retention", f"expected 'in_memory' or '24h', got {quoted(retention)}")
     cache_options = optional_object(body, "prompt_cache_options") or {}
     if cache_options.get("mode") is not None and cache_options["mode"] not in CACHE_MODES:
-        raise malformed("prompt_cache_options.mode", f"expected 'implicit' or 'explicit', got {cache_options['mode']!r}")
+        raise malformed("prompt_cache_options.mode", f"expected 'implicit' or 'explicit', got "
+                                                     f"{quoted(cache_options['mode'])}")
 
 
 # -- the request ---------------------------------------------------------------------------------------------------

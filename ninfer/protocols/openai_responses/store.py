@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 
 import attrs
 
-from ninfer.core.errors import NinferError
+from ninfer.core.errors import NinferError, quoted
 from ninfer.server.http import json_bytes
 
 
@@ -126,8 +126,8 @@ class ResponseStore:
         record = self._records.get(response_id)
         if record is None:
             raise ResponseNotFoundError(
-                f"no stored response with id {response_id!r} (it was never stored, was created with store:false, "
-                "was deleted, or was evicted from this server's bounded local store)", param=param)
+                f"no stored response with id {quoted(response_id)} (it was never stored, was created with "
+                "store:false, was deleted, or was evicted from this server's bounded local store)", param=param)
         self._records.move_to_end(response_id)
         return record
 
@@ -142,7 +142,7 @@ class ResponseStore:
         """Retain ``record``, evicting least recently used Responses as needed."""
         self.check_fits(record.standalone_size())
         if record.response_id in self._records:
-            raise ValueError(f"response {record.response_id!r} is already stored")
+            raise ValueError(f"response {quoted(record.response_id)} is already stored")
         self._records[record.response_id] = record
         self._acquire(record)
         while len(self._records) > self.max_records or self._bytes > self.max_bytes:

@@ -23,7 +23,9 @@ from ninfer.protocols.fields import (
     optional_list,
     optional_object,
     optional_str,
+    quoted,
     type_name,
+    type_tag,
     unsupported,
 )
 
@@ -81,7 +83,7 @@ def _custom(tool: Mapping[str, Any], param: str) -> ToolDefinition:
     input_description = "The tool's raw input text."
     tool_format = optional_object(tool, "format", f"{param}.format")
     if tool_format is not None:
-        kind = tool_format.get("type")
+        kind = type_tag(tool_format, f"{param}.format")
         if kind == "grammar":
             syntax = optional_str(tool_format, "syntax", f"{param}.format.syntax")
             definition = tool_format.get("definition")
@@ -89,7 +91,7 @@ def _custom(tool: Mapping[str, Any], param: str) -> ToolDefinition:
                 raise malformed(f"{param}.format.definition", "expected a non-empty grammar definition")
             input_description += f" It must match this {syntax or 'grammar'} grammar:\n{definition}"
         elif kind != "text":
-            raise malformed(f"{param}.format.type", f"expected 'text' or 'grammar', got {kind!r}")
+            raise malformed(f"{param}.format.type", f"expected 'text' or 'grammar', got {quoted(kind)}")
     parameters = {"type": "object", "properties": {FREEFORM_PARAMETER: {"type": "string",
                                                                          "description": input_description}},
                   "required": [FREEFORM_PARAMETER]}
@@ -102,9 +104,10 @@ def _custom(tool: Mapping[str, Any], param: str) -> ToolDefinition:
 
 def _hosted(kind: Any, param: str) -> Exception:
     if kind in HOSTED_TOOL_TYPES:
-        return unsupported(f"{param}.type", f"{kind!r} is an OpenAI-hosted tool and this server has no executor for "
-                           "it (start the server with --hosted-tools ignore to leave such tools out)")
-    return unsupported(f"{param}.type", f"{kind!r} tools need an executor or output Items ninfer does not have; only "
+        return unsupported(f"{param}.type", f"{quoted(kind)} is an OpenAI-hosted tool and this server has no "
+                           "executor for it (start the server with --hosted-tools ignore to leave such tools out)")
+    return unsupported(f"{param}.type", f"{quoted(kind)} tools need an executor or output Items ninfer does not "
+                                        "have; only "
                        "client-executed function tools (direct or in a namespace) and custom tools are supported")
 
 
@@ -118,7 +121,7 @@ def parse_tools(body: Mapping[str, Any], hosted_tools: str = HOSTED_IGNORE) -> P
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise malformed(where, f"expected a tool object, got {type_name(tool)}")
-        kind = tool.get("type")
+        kind = type_tag(tool, where)
         if kind == "function":
             declared = [(_function(tool, where, None, None), where)]
         elif kind == "namespace":
@@ -133,7 +136,7 @@ def parse_tools(body: Mapping[str, Any], hosted_tools: str = HOSTED_IGNORE) -> P
         for definition, param in declared:
             if any(existing.key == definition.key for existing in tools):
                 shown = ".".join(part for part in definition.key if part)
-                raise malformed(f"{param}.name", f"duplicate tool {shown!r}")
+                raise malformed(f"{param}.name", f"duplicate tool {quoted(shown)}")
             tools.append(definition)
     return ParsedTools(tuple(tools), tuple(ignored))
 
@@ -151,8 +154,9 @@ def _namespace(group: Mapping[str, Any], param: str) -> list[tuple[ToolDefinitio
         where = f"{param}.tools[{index}]"
         if not isinstance(member, dict):
             raise malformed(where, f"expected a tool object, got {type_name(member)}")
-        if member.get("type") != "function":
-            raise _hosted(member.get("type"), where)
+        kind = type_tag(member, where)
+        if kind != "function":
+            raise _hosted(kind, where)
         declared.append((_function(member, where, name, description), where))
     return declared
 
@@ -163,7 +167,7 @@ def _allowed_tools(choice: Mapping[str, Any], tools: ParsedTools) -> tuple[tuple
         raise unsupported("tool_choice.mode", f"forcing a tool call needs constrained decoding; {NO_CONSTRAINED_DECODING}"
                           " (use 'auto')")
     if mode != "auto":
-        raise malformed("tool_choice.mode", f"expected 'auto', got {mode!r}")
+        raise malformed("tool_choice.mode", f"expected 'auto', got {quoted(mode)}")
     listed = choice.get("tools")
     if not isinstance(listed, list):
         raise malformed("tool_choice.tools", f"expected an array, got {type_name(listed)}")
@@ -171,15 +175,15 @@ def _allowed_tools(choice: Mapping[str, Any], tools: ParsedTools) -> tuple[tuple
     allowed: list[tuple[str | None, str]] = []
     for index, entry in enumerate(listed):
         where = f"tool_choice.tools[{index}]"
-        kind = entry.get("type") if isinstance(entry, dict) else None
+        kind = type_tag(entry, where) if isinstance(entry, dict) else None
         if kind in tools.ignored:
             continue  # an ignored hosted tool: allowing it changes nothing
         if kind not in ("function", "custom"):
             raise unsupported(f"{where}.type", "only function and custom tools can be allowed")
-        key = (entry.get("namespace"), entry.get("name"))
+        key = (optional_str(entry, "namespace", f"{where}.namespace"), optional_str(entry, "name", f"{where}.name"))
         if key not in declared:
             shown = ".".join(str(part) for part in key if part)
-            raise malformed(f"{where}.name", f"{shown!r} is not a declared function tool")
+            raise malformed(f"{where}.name", f"{quoted(shown)} is not a declared function tool")
         allowed.append(key)
     return tuple(allowed)
 
@@ -195,10 +199,11 @@ def parse_tool_choice(body: Mapping[str, Any], tools: ParsedTools) -> tuple[str,
         raise unsupported("tool_choice", f"forcing a tool call needs constrained decoding; {NO_CONSTRAINED_DECODING} "
                           "(use 'auto' or 'none')")
     if isinstance(choice, dict):
-        kind = choice.get("type")
+        kind = type_tag(choice, "tool_choice")
         if kind == "allowed_tools":
             return "auto", _allowed_tools(choice, tools)
         if isinstance(kind, str):
-            raise unsupported("tool_choice", f"a {kind!r} tool choice forces a specific tool, which needs constrained "
+            raise unsupported("tool_choice", f"a {quoted(kind)} tool choice forces a specific tool, which needs "
+                                             "constrained "
                               f"decoding; {NO_CONSTRAINED_DECODING} (use 'auto', 'none' or allowed_tools)")
-    raise malformed("tool_choice", f"expected 'auto', 'none' or an allowed_tools object, got {choice!r}")
+    raise malformed("tool_choice", f"expected 'auto', 'none' or an allowed_tools object, got {quoted(choice)}")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import re
 from typing import Any, Container, Iterable, Mapping, Sequence
 
 import attrs
 
 from ninfer.core.errors import InvalidRequestError
+from ninfer.core.json_input import GENERATED_VALUE_LIMITS, JsonInputError, parse_json
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -424,25 +424,15 @@ def _type_names(value: Any, allowed: frozenset[str]) -> frozenset[str] | None:
     return None
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError("number out of range")
-    return number
-
-
 _MISSING = object()
 
 
 def _parse_json(text: str) -> Any:
-    """The JSON value ``text`` spells (strict: no NaN/Infinity, no out-of-range numbers), or ``_MISSING``."""
+    """The JSON value ``text`` spells within the generated-value limits (no NaN/Infinity, no out-of-range or
+    overlong numbers, nesting shallow enough to be replayed in a request), or ``_MISSING``."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):
+        return parse_json(text, limits=GENERATED_VALUE_LIMITS)
+    except JsonInputError:
         return _MISSING
 
 
