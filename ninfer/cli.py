@@ -410,13 +410,18 @@ class _ProgressLine:
               help="a DFlash drafter directory whose weights to carry along (dflash.*)")
 @click.option("--dflash2", "dflash2_dir", default=None, metavar="DIR",
               help="a DFlash2 drafter directory whose weights to carry along (dflash2.*)")
-def convert(hf_dir: str, out: str, model_id: str | None, dflash_dir: str | None, dflash2_dir: str | None) -> None:
+@click.option("--quantize", type=click.Choice(("fp8", "nvfp4")), default=None,
+              help="quantize the projection weights of a dense checkpoint (block-wise FP8 128x128, or NVFP4)")
+def convert(hf_dir: str, out: str, model_id: str | None, dflash_dir: str | None, dflash2_dir: str | None,
+            quantize: str | None) -> None:
     """Convert a Hugging Face checkpoint directory HF_DIR into one .ninfer artifact."""
     converter = importlib.import_module("ninfer.core.artifact.convert")
     progress: Callable[[int, int], None] | None = _ProgressLine() if sys.stderr.isatty() else None
     drafters = {name: path for name, path in (("dflash", dflash_dir), ("dflash2", dflash2_dir)) if path}
     try:
-        path = converter.convert_checkpoint(hf_dir, out, model_id=model_id, progress=progress, drafters=drafters)
+        path = converter.convert_checkpoint(
+            hf_dir, out, model_id=model_id, progress=progress, drafters=drafters, quantize=quantize
+        )
     finally:
         if isinstance(progress, _ProgressLine):
             progress.finish()

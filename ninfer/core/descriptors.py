@@ -58,6 +58,10 @@ class ModelFamily:
     checkpoint already matches, and raises ``WeightMismatchError`` for a source it finds mis-shaped; missing
     sources are reported by the view.
 
+    ``quantizable_weights(config)`` (optional) names the weights ``ninfer convert --quantize`` encodes: the
+    projection matrices the family's runtime applies through its quantization-aware linear; everything else stays
+    as stored.
+
     ``synthetic_presets()`` (optional; light, no torch) names the real configurations this family builds with
     random weights for ``ninfer serve --synthetic PRESET``; preset names are unique across families.
     ``synthetic_source(preset, options, seed)`` returns a ``ModelSource`` of that preset: its tensors are drawn
@@ -79,6 +83,7 @@ class ModelFamily:
     checkpoint_layout: (
         Callable[[Mapping[str, Any], Mapping[str, "TensorInfo"]], Mapping[str, "FusedTensor"]] | None
     ) = None
+    quantizable_weights: Callable[[Mapping[str, Any]], Sequence[str]] | None = None
     synthetic_presets: Callable[[], Sequence[str]] | None = None
     synthetic_source: Callable[[str, "LoadOptions", int], "ModelSource"] | None = None
 

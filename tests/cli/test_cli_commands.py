@@ -216,17 +216,20 @@ def test_make_tiny_family_choices_come_from_the_registry(manager):
 def test_convert_passes_paths_model_id_and_no_progress_off_a_terminal(monkeypatch, tmp_path):
     calls = []
 
-    def convert_checkpoint(hf_dir, out, *, model_id=None, progress=None, drafters=None):
-        calls.append((hf_dir, out, model_id, progress, drafters))
+    def convert_checkpoint(hf_dir, out, *, model_id=None, progress=None, drafters=None, quantize=None):
+        calls.append((hf_dir, out, model_id, progress, drafters, quantize))
         return Path(out)
 
     fake_module(monkeypatch, "ninfer.core.artifact.convert", convert_checkpoint=convert_checkpoint)
     out = str(tmp_path / "m.ninfer")
     result = invoke("convert", "hf/Qwen3.6-27B", "-o", out, "--model-id", "qwen3.6-27b")
     assert result.exit_code == 0, result.output
-    assert calls == [("hf/Qwen3.6-27B", out, "qwen3.6-27b", None, {})]
+    assert calls == [("hf/Qwen3.6-27B", out, "qwen3.6-27b", None, {}, None)]
     invoke("convert", "hf/Qwen3.6-27B", "-o", out, "--dflash", "hf/Qwen3.6-27B-DFlash")
     assert calls[-1][4] == {"dflash": "hf/Qwen3.6-27B-DFlash"}
+    invoke("convert", "hf/Qwen3.6-27B", "-o", out, "--quantize", "nvfp4")
+    assert calls[-1][5] == "nvfp4"
+    assert invoke("convert", "hf/Qwen3.6-27B", "-o", out, "--quantize", "int4").exit_code == 2
     assert result.stdout.strip() == f"wrote {out}"
     assert invoke("convert", "hf/Qwen3.6-27B").exit_code == 2  # -o is required
 

@@ -53,7 +53,11 @@ class Identity:
 
 @attrs.frozen
 class Manifest:
-    """What an artifact is. ``config`` is the Hugging Face ``config.json`` (with ``text_config``) verbatim."""
+    """What an artifact is. ``config`` is the Hugging Face ``config.json`` (with ``text_config``) verbatim.
+
+    ``quantized`` maps each quantized weight to its format (``ninfer.core.artifact.quantized``); every tensor it does
+    not name is stored dense.
+    """
 
     identity: Identity
     architecture: str
@@ -61,6 +65,7 @@ class Manifest:
     weight_format: Mapping[str, Any] = attrs.field(factory=lambda: {"dtype": "bfloat16", "quantization": None})
     companions: tuple[str, ...] = ()
     generation_defaults: Mapping[str, Any] = attrs.field(factory=dict)
+    quantized: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     family: str | None = None
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION

@@ -25,6 +25,8 @@ from ninfer.core.artifact.hf_directory import (
     ShardFile,
     open_hf_directory,
 )
+from ninfer.core.artifact.quantize import quantized_entries, quantized_manifest
+from ninfer.core.artifact.quantized import logical_shapes, quantized_formats
 from ninfer.core.errors import ArtifactError, ConfigError, WeightMismatchError
 from ninfer.core.plugins import Registries, given_or_process
 
@@ -43,6 +45,7 @@ def convert_checkpoint(
     model_id: str | None = None,
     progress: Progress | None = None,
     drafters: Mapping[str, str | os.PathLike[str]] | None = None,
+    quantize: str | None = None,
     registries: Registries | None = None,
 ) -> Path:
     """Validate the checkpoint in ``hf_dir``, then write it to ``out_path`` as a .ninfer file; returns the path.
@@ -50,6 +53,8 @@ def convert_checkpoint(
     ``progress(done_bytes, total_bytes)`` is called as tensor data is written. ``drafters`` maps a speculative
     backend name (``"dflash"``, ``"dflash2"``) to a published drafter directory that the backend's
     ``open_companion`` reads; its tensors and config are carried along (``dflash.*`` / ``dflash2.*``).
+    ``quantize`` (``"fp8"``, ``"nvfp4"``) encodes the family's ``quantizable_weights`` of a dense checkpoint on the
+    way (``ninfer.core.artifact.quantize``); a quantized checkpoint's tensors are written as they are stored.
     """
     registries = given_or_process(registries)
     out = Path(out_path)
@@ -59,6 +64,10 @@ def convert_checkpoint(
             _check_output_path(out, checkpoint)
             check_weights(checkpoint, registries)
             manifest = checkpoint.manifest
+            if quantize is not None:
+                targets = registries.family_for(manifest).require("quantizable_weights")(manifest.config)
+                shapes = {name: checkpoint.tensor_info(name).shape for name in targets}
+                manifest, fmt = quantized_manifest(manifest, quantize, shapes, targets)
             for name, path in (drafters or {}).items():
                 drafter = registries.speculative_backend(name).require_companion()(path)
                 opened.append(drafter)
@@ -66,7 +75,10 @@ def convert_checkpoint(
                 manifest = drafter.manifest_with_companion(manifest)
             resources = {name: checkpoint.resource(name) for name in checkpoint.resource_names}
             stream = _ShardStream(checkpoint, progress)
-            entries = stream.entries() + [entry for drafter in opened for entry in drafter.entries()]
+            entries = stream.entries()
+            if quantize is not None:
+                entries = quantized_entries(entries, targets, fmt)
+            entries += [entry for drafter in opened for entry in drafter.entries()]
             try:
                 write_artifact(out, manifest, entries, resources)
             except OSError as exc:
@@ -83,7 +95,8 @@ def convert_checkpoint(
 def check_weights(checkpoint: HFDirectoryArtifact, registries: Registries | None = None) -> None:
     """Fail with WeightMismatchError unless the checkpoint holds exactly the tensors its family expects.
 
-    Tensors under :data:`CARRIED_PREFIXES` may be present without being expected.
+    Tensors under :data:`CARRIED_PREFIXES` may be present without being expected; a quantized weight counts with its
+    dense shape and its scales as part of it.
     """
     manifest = checkpoint.manifest
     family = given_or_process(registries).family_for(manifest)
@@ -93,8 +106,8 @@ def check_weights(checkpoint: HFDirectoryArtifact, registries: Registries | None
         raise
     except ArtifactError as exc:
         raise ArtifactError(f"{checkpoint.path / CONFIG_FILE}: {exc.message}") from None
-    found = {name: checkpoint.tensor_info(name) for name in checkpoint.tensor_names}
-    problems = _weight_problems(expected, found)
+    infos = {name: checkpoint.tensor_info(name) for name in checkpoint.tensor_names}
+    problems = _weight_problems(expected, logical_shapes(infos, quantized_formats(manifest)))
     if problems:
         raise WeightMismatchError(
             f"{checkpoint.path}: the checkpoint does not match {manifest.architecture} "
@@ -102,12 +115,14 @@ def check_weights(checkpoint: HFDirectoryArtifact, registries: Registries | None
         )
 
 
-def _weight_problems(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, TensorInfo]) -> list[str]:
+def _weight_problems(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Missing, mis-shaped and unexpected tensors; ``found`` holds the shapes as the model sees them (a quantized
+    weight's dense shape, its scales left out)."""
     missing = [name for name in expected if name not in found]
     misshaped = [
-        f"{name} has shape {list(found[name].shape)}, expected {list(expected[name])}"
+        f"{name} has shape {list(found[name])}, expected {list(expected[name])}"
         for name in expected
-        if name in found and tuple(found[name].shape) != tuple(expected[name])
+        if name in found and tuple(found[name]) != tuple(expected[name])
     ]
     unexpected = [name for name in found if name not in expected and not name.startswith(CARRIED_PREFIXES)]
     problems = []

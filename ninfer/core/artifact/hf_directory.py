@@ -8,6 +8,10 @@ A model family may store some weights differently from how its runtime reads the
 where the runtime wants one stacked tensor). Its ``checkpoint_layout`` factory says which target tensors
 are built from which stored ones (:class:`FusedTensor`); the view presents the targets and hides their
 sources, so the converter and the runtime see one layout whatever the checkpoint stores.
+
+A quantized checkpoint is presented in ninfer's quantized formats (``ninfer.core.artifact.hf_quantization``): its
+tensors renamed where its convention names them otherwise, and the manifest's ``quantized`` naming every quantized
+weight.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from ninfer.core.artifact.container import (
     TensorInfo,
     read_safetensors_header,
 )
-from ninfer.core.errors import ArtifactError, NotYetAvailableError, WeightMismatchError
+from ninfer.core.artifact.hf_quantization import QuantizationPlan, plan_quantization
+from ninfer.core.artifact.quantized import dense_dtype, quantization_summary
+from ninfer.core.errors import ArtifactError, WeightMismatchError
 from ninfer.core.plugins import Registries, given_or_process
 
 CONFIG_FILE = "config.json"
@@ -41,6 +47,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+MODELOPT_QUANT_CONFIG_FILE = "hf_quant_config.json"
 
 TOKENIZER_CONFIG_RESOURCE = "tokenizer/tokenizer_config.json"
 GENERATION_CONFIG_RESOURCE = "generation_config.json"
@@ -211,20 +218,32 @@ def open_hf_directory(
         raise ArtifactError(f"{directory}: {problem}; expected a Hugging Face checkpoint directory")
     config = _read_json_object(directory / CONFIG_FILE, what="the model config")
     architecture = _architecture(config, directory / CONFIG_FILE)
-    _refuse_quantized(config, directory / CONFIG_FILE)
     shards = read_shards(directory)
+    stored = {name: info for shard in shards for name, info in shard.tensors.items()}
+    plan = plan_quantization(_quantization_config(directory, config), stored, directory / CONFIG_FILE)
+    shards = tuple(attrs.evolve(s, tensors={plan.renames.get(n, n): i for n, i in s.tensors.items()}) for s in shards)
     generation_config = _read_optional_json(directory / GENERATION_CONFIG_FILE)
     resources = _resources(directory)
     manifest = Manifest(
         identity=Identity(model_id or directory.resolve().name.lower()),
         architecture=architecture,
         config=config,
-        weight_format={"dtype": _dominant_float_dtype(shards, directory), "quantization": None},
         companions=("mtp",) if any(name.startswith("mtp.") for s in shards for name in s.tensors) else (),
         generation_defaults=_generation_defaults(generation_config, config),
     )
-    layout = _family_layout(directory, manifest, shards, given_or_process(registries))
-    return HFDirectoryArtifact(directory, manifest, shards, resources, layout)
+    layout = {**_family_layout(directory, manifest, shards, given_or_process(registries)), **_derived(plan, shards)}
+    checkpoint = HFDirectoryArtifact(directory, manifest, shards, resources, layout)
+    infos = {name: checkpoint.tensor_info(name) for name in checkpoint.tensor_names}
+    formats = plan.formats(infos, str(directory))
+    dtype = dense_dtype(infos, formats)
+    if dtype is None:
+        raise ArtifactError(f"{directory}: the checkpoint has no floating-point weight tensors")
+    checkpoint.manifest = attrs.evolve(
+        manifest,
+        weight_format={"dtype": str(dtype).removeprefix("torch."), "quantization": quantization_summary(formats)},
+        quantized={name: fmt.to_json() for name, fmt in formats.items()},
+    )
+    return checkpoint
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -347,18 +366,6 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _dominant_float_dtype(shards: tuple[ShardFile, ...], directory: Path) -> str:
-    totals: dict[torch.dtype, int] = {}
-    for shard in shards:
-        for info in shard.tensors.values():
-            if info.dtype.is_floating_point:
-                totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
-    if not totals:
-        raise ArtifactError(f"{directory}: the checkpoint has no floating-point weight tensors")
-    dominant = max(totals, key=lambda dtype: totals[dtype])
-    return str(dominant).removeprefix("torch.")
-
-
 # -- config, generation defaults, resources ----------------------------------------------------------
 
 
@@ -369,15 +376,21 @@ def _architecture(config: Mapping[str, Any], config_path: Path) -> str:
     return architectures[0]
 
 
-def _refuse_quantized(config: Mapping[str, Any], config_path: Path) -> None:
-    quantization = config.get("quantization_config")
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    raise NotYetAvailableError(
-        f"{config_path}: pre-quantized checkpoints (quant_method {method!r}) are not yet available; "
-        "use the original (unquantized) checkpoint"
-    )
+def _quantization_config(directory: Path, config: Mapping[str, Any]) -> Any:
+    """``config.json``'s ``quantization_config``, else a ModelOpt ``hf_quant_config.json`` (None: not quantized)."""
+    if "quantization_config" in config:
+        return config["quantization_config"]
+    modelopt = _read_optional_json(directory / MODELOPT_QUANT_CONFIG_FILE)
+    return None if modelopt is None else {"quant_method": "modelopt", **modelopt}
+
+
+def _derived(plan: QuantizationPlan, shards: tuple[ShardFile, ...]) -> dict[str, FusedTensor]:
+    """The plan's computed tensors, each fp32 of its one stored source's shape."""
+    stored = {name: info for shard in shards for name, info in shard.tensors.items()}
+    return {
+        target: FusedTensor((source,), lambda parts, f=transform: f(parts[0]), torch.float32, stored[source].shape)
+        for target, (source, transform) in plan.derived.items()
+    }
 
 
 def _generation_defaults(generation_config: Mapping[str, Any] | None, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,12 @@ def _expected_weights(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return expected_weights(config)
 
 
+def _quantizable_weights(config: Mapping[str, Any]) -> list[str]:
+    from ninfer.plugins.qwen3_5.model.weights import quantizable_weights
+
+    return quantizable_weights(config)
+
+
 def _checkpoint_layout(config: Mapping[str, Any], stored: Mapping[str, Any]) -> Any:
     from ninfer.plugins.qwen3_5.model.checkpoint import checkpoint_layout
 
@@ -82,6 +88,7 @@ def ninfer_model_families() -> list[ModelFamily]:
         build_frontend=_build_frontend,
         make_tiny=_make_tiny,
         sampling_presets=_sampling_presets,
+        quantizable_weights=_quantizable_weights,
     )
     return [
         ModelFamily(

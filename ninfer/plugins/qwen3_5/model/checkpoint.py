@@ -3,7 +3,8 @@
 ninfer's MoE weights are ``<block>.gate_up_proj [E, 2I, H]`` (expert ``e``'s gate rows, then its up rows) and
 ``<block>.down_proj [E, H, I]``, where ``<block>`` is ``...mlp.experts``. transformers' ``save_pretrained`` writes
 ``<block>.{e}.gate_proj.weight [I, H]``, ``.up_proj.weight [I, H]`` and ``.down_proj.weight [H, I]`` instead.
-Every block stored that way (decoder layers and the MTP layer alike) maps to the two fused tensors.
+Every block stored that way (decoder layers and the MTP layer alike) maps to the two fused tensors. Quantized
+per-expert tensors are refused for now: stacking their codes and scales into the fused layout is not implemented.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from ninfer.core.artifact.container import TensorInfo
 from ninfer.core.artifact.hf_directory import FusedTensor
-from ninfer.core.errors import ArtifactError, WeightMismatchError
+from ninfer.core.errors import ArtifactError, NotYetAvailableError, WeightMismatchError
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _PER_EXPERT = re.compile(r"^(?P<block>.+\.mlp\.experts)\.\d+\.(?:gate|up|down)_proj\.weight$")
 
 
@@ -48,6 +50,12 @@ def _fused_block(
     down = tuple(f"{block}.{e}.down_proj.weight" for e in range(experts))
     shapes = {name: (inner, hidden) for name in gate_up} | {name: (hidden, inner) for name in down}
     dtype = _common_dtype(block, shapes, stored) or fallback
+    if dtype in _QUANTIZED_DTYPES:
+        raise NotYetAvailableError(
+            f"the routed experts of {block} are stored quantized one by one ({str(dtype).removeprefix('torch.')}); "
+            "stacking their codes and scales is not available yet: use the unquantized checkpoint "
+            "(ninfer convert --quantize quantizes the stacked experts)"
+        )
     return {
         f"{block}.gate_up_proj": FusedTensor(gate_up, _stack_gate_up, dtype, (experts, 2 * inner, hidden)),
         f"{block}.down_proj": FusedTensor(down, _stack, dtype, (experts, hidden, inner)),

@@ -8,6 +8,9 @@ Each layer kind has two forms over the same weights: the pure-torch reference (t
 ``fused=True``, the CUDA prefill form: one GEMM for the projections that read the same input when the weights are
 row blocks of one fused tensor (``ninfer.plugins.qwen3_5.model.fused``), and the norms, gates and activations as the Triton
 row kernels of ``ninfer.kernels.triton.norms`` / ``attention`` (imported on first use: CPU installs lack triton).
+
+Every projection goes through ``quantized.linear`` (a weight may be a quantized record; the fused CUDA form only ever
+sees plain weights: quantized ones are refused on CUDA at load).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ninfer.kernels.reference.prefill import (
 )
 from ninfer.kernels.reference.rope import apply_rotary
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
+from ninfer.plugins.qwen3_5.model.quantized import Weight, dense, linear
 
 RECURRENT_MAX_TOKENS = 4  # groups of at most this many new tokens use the token-by-token delta rule
 
@@ -115,42 +119,42 @@ class BatchLayout:
 
 @attrs.frozen
 class GatedDeltaNetWeights:
-    in_proj_qkv: torch.Tensor
-    in_proj_z: torch.Tensor
-    in_proj_b: torch.Tensor
-    in_proj_a: torch.Tensor
+    in_proj_qkv: Weight
+    in_proj_z: Weight
+    in_proj_b: Weight
+    in_proj_a: Weight
     conv_weight: torch.Tensor  # [conv_dim, K]
     dt_bias: torch.Tensor  # fp32
     decay_rate: torch.Tensor  # -exp(A_log), fp32
     norm: torch.Tensor
-    out_proj: torch.Tensor
+    out_proj: Weight
 
 
 @attrs.frozen
 class FullAttentionWeights:
-    q_proj: torch.Tensor  # query and output gate interleaved per head
-    k_proj: torch.Tensor
-    v_proj: torch.Tensor
-    o_proj: torch.Tensor
+    q_proj: Weight  # query and output gate interleaved per head
+    k_proj: Weight
+    v_proj: Weight
+    o_proj: Weight
     q_norm: torch.Tensor
     k_norm: torch.Tensor
 
 
 @attrs.frozen
 class DenseMLPWeights:
-    gate_proj: torch.Tensor
-    up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
 
 
 @attrs.frozen
 class MoEWeights:
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    shared_gate: torch.Tensor
-    shared_up: torch.Tensor
-    shared_down: torch.Tensor
+    gate_up: Weight
+    down: Weight
+    shared_gate: Weight
+    shared_up: Weight
+    shared_down: Weight
     shared_expert_gate: torch.Tensor
 
 
@@ -193,7 +197,7 @@ def stacked_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Te
     """``x`` through every weight, outputs side by side: one GEMM when the weights are stacked (``stacked_rows``)."""
     stacked = stacked_rows(weights)
     if stacked is None:
-        return torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
+        return torch.cat([linear(x, weight) for weight in weights], dim=-1)
     return F.linear(x, stacked)
 
 
@@ -214,12 +218,12 @@ def gated_deltanet(
     """
     tokens = x.shape[0]
     value_dim, heads_v = config.linear_value_dim, config.linear_num_value_heads
-    mixed = F.linear(x, weights.in_proj_qkv)
+    mixed = linear(x, weights.in_proj_qkv)
     gate_weights = (weights.in_proj_z, weights.in_proj_b, weights.in_proj_a)
     if fused:
         z, b, a = torch.split(stacked_linear(x, gate_weights), [value_dim, heads_v, heads_v], dim=-1)
     else:
-        z, b, a = (F.linear(x, weight) for weight in gate_weights)
+        z, b, a = (linear(x, weight) for weight in gate_weights)
     gate_z = z.view(tokens, heads_v, config.linear_value_head_dim)
     beta = torch.sigmoid(b.float())
     decay = weights.decay_rate * F.softplus(a.float() + weights.dt_bias)
@@ -230,7 +234,7 @@ def gated_deltanet(
         normed = triton_gated_rms_norm(core, gate_z, weights.norm, config.rms_norm_eps)
     else:
         normed = gated_rms_norm(core, gate_z, weights.norm, config.rms_norm_eps)
-    return F.linear(normed.reshape(tokens, value_dim), weights.out_proj)
+    return linear(normed.reshape(tokens, value_dim), weights.out_proj)
 
 
 def _recurrent_core(
@@ -317,9 +321,9 @@ def full_attention(
     """Gated softmax attention over ``x [T, H]``: writes the new KV into the pages, attends, gates, projects."""
     tokens = x.shape[0]
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    query, gate = F.linear(x, weights.q_proj).view(tokens, heads, 2 * dim).chunk(2, dim=-1)
-    key = F.linear(x, weights.k_proj).view(tokens, kv_heads, dim)
-    value = F.linear(x, weights.v_proj).view(tokens, kv_heads, dim)
+    query, gate = linear(x, weights.q_proj).view(tokens, heads, 2 * dim).chunk(2, dim=-1)
+    key = linear(x, weights.k_proj).view(tokens, kv_heads, dim)
+    value = linear(x, weights.v_proj).view(tokens, kv_heads, dim)
     query = rms_norm(query, weights.q_norm, config.rms_norm_eps, zero_centered=True)
     key = rms_norm(key, weights.k_norm, config.rms_norm_eps, zero_centered=True)
     cos, sin = rotary
@@ -329,7 +333,7 @@ def full_attention(
         query, key_cache, value_cache, layout.page_tables, layout.query_lens, layout.context_lens, scale=dim**-0.5
     )
     gated = attended.reshape(tokens, heads * dim) * torch.sigmoid(gate.reshape(tokens, heads * dim))
-    return F.linear(gated, weights.o_proj)
+    return linear(gated, weights.o_proj)
 
 
 def full_attention_fused(
@@ -359,28 +363,31 @@ def full_attention_fused(
         query, key_cache, value_cache, layout.page_tables, layout.query_lens, layout.context_lens, scale=dim**-0.5
     )
     gate = projected[:, : heads * 2 * dim].view(tokens, heads, 2 * dim)[:, :, dim:]
-    return F.linear(sigmoid_gate(attended, gate).view(tokens, heads * dim), weights.o_proj)
+    return linear(sigmoid_gate(attended, gate).view(tokens, heads * dim), weights.o_proj)
 
 
 def feed_forward(
     weights: DenseMLPWeights | MoEWeights, config: Qwen35TextConfig, x: torch.Tensor, *, fused: bool = False
 ) -> torch.Tensor:
-    """The FFN block; ``fused``: a dense MLP's gate/up as one GEMM and the Triton ``silu_mul`` (CUDA prefill)."""
+    """The FFN block; ``fused``: a dense MLP's gate/up as one GEMM and the Triton ``silu_mul`` (CUDA prefill).
+
+    The reference kernels take plain matrices, so quantized ones are dequantized for the call (``quantized.dense``).
+    """
     if isinstance(weights, DenseMLPWeights):
         if fused:
             from ninfer.kernels.triton.norms import silu_mul
 
-            return F.linear(silu_mul(stacked_linear(x, (weights.gate_proj, weights.up_proj))), weights.down_proj)
-        return swiglu(x, weights.gate_proj, weights.up_proj, weights.down_proj)
+            return linear(silu_mul(stacked_linear(x, (weights.gate_proj, weights.up_proj))), weights.down_proj)
+        return swiglu(x, *(dense(w, x.dtype) for w in (weights.gate_proj, weights.up_proj, weights.down_proj)))
     return moe_feed_forward(
         x,
         weights.router,
-        weights.gate_up,
-        weights.down,
+        dense(weights.gate_up, x.dtype),
+        dense(weights.down, x.dtype),
         config.num_experts_per_tok,  # type: ignore[arg-type]
-        shared_gate=weights.shared_gate,
-        shared_up=weights.shared_up,
-        shared_down=weights.shared_down,
+        shared_gate=dense(weights.shared_gate, x.dtype),
+        shared_up=dense(weights.shared_up, x.dtype),
+        shared_down=dense(weights.shared_down, x.dtype),
         shared_expert_gate=weights.shared_expert_gate,
     )
 

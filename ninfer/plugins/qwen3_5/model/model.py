@@ -1,7 +1,8 @@
 """The Qwen3.5 text model: weights loaded from a .ninfer artifact and the trunk traversal over a flat batch.
 
-Weights are plain tensors. A tensor whose stored dtype already is the compute dtype on CPU is used as a zero-copy view
-of the mapped artifact; anything else is converted once at load.
+Weights are plain tensors, except projections a source stores quantized (``quantized``: records of their codes and
+scales, applied through ``quantized.linear``). A tensor whose stored dtype already is the compute dtype on CPU is used
+as a zero-copy view of the mapped artifact; anything else is converted once at load.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.core.artifact.container import Artifact
+from ninfer.core.artifact.container import ModelSource
+from ninfer.core.artifact.quantized import logical_shapes, quantized_formats
 from ninfer.core.errors import NinferError, WeightMismatchError
 from ninfer.core.runtime import CapturedStates, KVCache, StateCache
 from ninfer.kernels.reference.norms import rms_norm
@@ -32,6 +34,7 @@ from ninfer.plugins.qwen3_5.model.layers import (
     full_attention_fused,
     gated_deltanet,
 )
+from ninfer.plugins.qwen3_5.model.quantized import Weight, dense, load_quantized
 from ninfer.plugins.qwen3_5.model.weights import MTP_PREFIX, VISUAL_PREFIX, Shapes, text_model_weights
 
 COMPANION_PREFIXES = (MTP_PREFIX, VISUAL_PREFIX, "dflash.", "dflash2.")
@@ -76,13 +79,19 @@ def check_rows(
 
 
 class WeightLoader:
-    """Checks an artifact's tensors against the expected shapes and hands them out in the compute dtype/device."""
+    """Checks an artifact's tensors against the expected shapes and hands them out in the compute dtype/device.
 
-    def __init__(self, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:
+    A quantized weight (``Manifest.quantized``) counts with its dense shape, its scales as part of it: ``take_linear``
+    hands it out as its record (``quantized``), ``take`` dequantized (for weights read other than through ``linear``).
+    """
+
+    def __init__(self, artifact: ModelSource, dtype: torch.dtype, device: torch.device) -> None:
         self.artifact = artifact
         self.dtype = dtype
         self.device = device
-        self.present = set(artifact.tensor_names)
+        self.formats = quantized_formats(artifact.manifest)
+        self.shapes = logical_shapes({n: artifact.tensor_info(n) for n in artifact.tensor_names}, self.formats)
+        self.present = set(self.shapes)
 
     def check(self, expected: Shapes) -> None:
         """Every expected tensor is present with its shape; names are reported with expected vs. found shape."""
@@ -91,10 +100,9 @@ class WeightLoader:
                 raise WeightMismatchError(
                     f"{self.artifact.path}: tensor {name!r} is missing (expected shape {list(shape)})"
                 )
-            found = self.artifact.tensor_info(name).shape
-            if tuple(found) != tuple(shape):
+            if self.shapes[name] != tuple(shape):
                 raise WeightMismatchError(
-                    f"{self.artifact.path}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
+                    f"{self.artifact.path}: tensor {name!r} has shape {list(self.shapes[name])}, expected {list(shape)}"
                 )
 
     def check_no_extras(
@@ -102,61 +110,70 @@ class WeightLoader:
     ) -> None:
         """No tensor named ``within...`` is outside ``expected`` unless it starts with an allowed prefix."""
         known = set(expected)
-        for name in self.artifact.tensor_names:
+        for name, shape in self.shapes.items():
             if name.startswith(within) and name not in known and not name.startswith(allowed_prefixes):
                 raise WeightMismatchError(
-                    f"{self.artifact.path}: unexpected tensor {name!r} (shape "
-                    f"{list(self.artifact.tensor_info(name).shape)}) is not part of this model"
+                    f"{self.artifact.path}: unexpected tensor {name!r} (shape {list(shape)}) is not part of this model"
                 )
 
     def take(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
+        fmt = self.formats.get(name)
+        if fmt is not None:
+            return dense(load_quantized(self.artifact, name, fmt, self.device), dtype)
         tensor = self.artifact.tensor(name)
         if tensor.dtype == dtype and self.device.type == "cpu":
             return tensor
         return tensor.to(device=self.device, dtype=dtype)
 
+    def take_linear(self, name: str) -> Weight:
+        """A weight applied through ``linear``: its quantized record as stored, else ``take(name)``."""
+        fmt = self.formats.get(name)
+        return self.take(name) if fmt is None else load_quantized(self.artifact, name, fmt, self.device)
+
 
 def load_decoder_layer(loader: WeightLoader, prefix: str, kind: str, config: Qwen35TextConfig) -> DecoderLayerWeights:
-    """One decoder layer's weights from the tensors named ``prefix + <relative name>``."""
+    """One decoder layer's weights from the tensors named ``prefix + <relative name>``; the projections applied
+    through ``linear`` as stored (quantized records where the source quantizes them)."""
     take = lambda name: loader.take(prefix + name)  # noqa: E731
+    projection = lambda name: loader.take_linear(prefix + name)  # noqa: E731
     if kind == FULL_ATTENTION:
         mixer: GatedDeltaNetWeights | FullAttentionWeights = FullAttentionWeights(
-            q_proj=take("self_attn.q_proj.weight"),
-            k_proj=take("self_attn.k_proj.weight"),
-            v_proj=take("self_attn.v_proj.weight"),
-            o_proj=take("self_attn.o_proj.weight"),
+            q_proj=projection("self_attn.q_proj.weight"),
+            k_proj=projection("self_attn.k_proj.weight"),
+            v_proj=projection("self_attn.v_proj.weight"),
+            o_proj=projection("self_attn.o_proj.weight"),
             q_norm=take("self_attn.q_norm.weight"),
             k_norm=take("self_attn.k_norm.weight"),
         )
     else:
         a_log = loader.take(prefix + "linear_attn.A_log", torch.float32)
         mixer = GatedDeltaNetWeights(
-            in_proj_qkv=take("linear_attn.in_proj_qkv.weight"),
-            in_proj_z=take("linear_attn.in_proj_z.weight"),
-            in_proj_b=take("linear_attn.in_proj_b.weight"),
-            in_proj_a=take("linear_attn.in_proj_a.weight"),
+            in_proj_qkv=projection("linear_attn.in_proj_qkv.weight"),
+            in_proj_z=projection("linear_attn.in_proj_z.weight"),
+            in_proj_b=projection("linear_attn.in_proj_b.weight"),
+            in_proj_a=projection("linear_attn.in_proj_a.weight"),
             conv_weight=take("linear_attn.conv1d.weight").squeeze(1),
             dt_bias=loader.take(prefix + "linear_attn.dt_bias", torch.float32),
             decay_rate=-a_log.exp(),
             norm=take("linear_attn.norm.weight"),
-            out_proj=take("linear_attn.out_proj.weight"),
+            out_proj=projection("linear_attn.out_proj.weight"),
         )
     if config.is_moe:
         mlp: DenseMLPWeights | MoEWeights = MoEWeights(
             router=take("mlp.gate.weight"),
-            gate_up=take("mlp.experts.gate_up_proj"),
-            down=take("mlp.experts.down_proj"),
-            shared_gate=take("mlp.shared_expert.gate_proj.weight"),
-            shared_up=take("mlp.shared_expert.up_proj.weight"),
-            shared_down=take("mlp.shared_expert.down_proj.weight"),
+            gate_up=projection("mlp.experts.gate_up_proj"),
+            down=projection("mlp.experts.down_proj"),
+            shared_gate=projection("mlp.shared_expert.gate_proj.weight"),
+            shared_up=projection("mlp.shared_expert.up_proj.weight"),
+            shared_down=projection("mlp.shared_expert.down_proj.weight"),
             shared_expert_gate=take("mlp.shared_expert_gate.weight"),
         )
     else:
         mlp = DenseMLPWeights(
-            gate_proj=take("mlp.gate_proj.weight"),
-            up_proj=take("mlp.up_proj.weight"),
-            down_proj=take("mlp.down_proj.weight"),
+            gate_proj=projection("mlp.gate_proj.weight"),
+            up_proj=projection("mlp.up_proj.weight"),
+            down_proj=projection("mlp.down_proj.weight"),
         )
     return DecoderLayerWeights(
         input_layernorm=take("input_layernorm.weight"),

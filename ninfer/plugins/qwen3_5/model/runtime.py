@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import attrs
 import torch
 
-from ninfer.core.artifact.container import Artifact
+from ninfer.core.artifact.container import ModelSource
 from ninfer.core.errors import ConfigError
 from ninfer.core.runtime import (
     AttentionLayerSpec,
@@ -25,6 +25,7 @@ from ninfer.kernels.triton import triton_available
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.model.layers import BatchLayout
 from ninfer.plugins.qwen3_5.model.model import ForwardBatchError, Qwen35Model, WeightLoader, check_rows
+from ninfer.plugins.qwen3_5.model.quantized import refuse_on_cuda
 from ninfer.plugins.qwen3_5.speculative.mtp import Qwen35MTP
 
 if TYPE_CHECKING:
@@ -230,9 +231,12 @@ def load_target(options: LoadOptions) -> tuple[torch.dtype, torch.device]:
     return dtype, device
 
 
-def load_runtime(artifact: Artifact, options: LoadOptions) -> Qwen35Runtime:
-    """Build the runtime from an opened artifact: checks every tensor, loads the trunk and (if present) MTP."""
+def load_runtime(artifact: ModelSource, options: LoadOptions) -> Qwen35Runtime:
+    """Build the runtime from an opened artifact: checks every tensor, loads the trunk and (if present) MTP.
+
+    Quantized weights run on the CPU reference path only (``quantized.refuse_on_cuda``)."""
     dtype, device = load_target(options)
+    refuse_on_cuda(artifact, device)
     config = Qwen35TextConfig.from_hf(artifact.manifest.config, artifact.manifest.architecture)
     loader = WeightLoader(artifact, dtype, device)
     model = Qwen35Model.load(loader, config)

@@ -29,6 +29,26 @@ _VISION_DEFAULTS = {  # transformers' Qwen3_5VisionConfig defaults
 }
 
 
+#: How the projection matrices ``ninfer convert --quantize`` encodes end; the runtime applies each through
+#: ``quantized.linear``. Kept dense: the embedding and lm_head (a lookup, and the speculative drafters' vocabulary head),
+#: the norms, the GDN a/b projections (one row per value head: tiny, and they feed the decay and the gate), the conv,
+#: A_log and dt_bias, the MoE router and shared-expert gate (routing decisions), and the vision tower.
+_QUANTIZABLE_ENDINGS = (
+    ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
+    ".in_proj_qkv.weight", ".in_proj_z.weight", ".out_proj.weight",
+    ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight", ".experts.gate_up_proj", ".experts.down_proj",
+    f"{MTP_PREFIX}fc.weight",
+)
+
+
+def quantizable_weights(config: Mapping[str, Any]) -> list[str]:
+    """The weights of a checkpoint with this config that ``convert --quantize`` encodes (the one policy)."""
+    return [
+        name for name in expected_weights(config)
+        if name.endswith(_QUANTIZABLE_ENDINGS) and not name.startswith(VISUAL_PREFIX)
+    ]
+
+
 def expected_weights(
     config: Mapping[str, Any], *, architecture: str | None = None, text_only: bool = False
 ) -> Shapes:

@@ -36,6 +36,7 @@ from ninfer.plugins.qwen3_5.model.model import (
     check_rows,
     load_decoder_layer,
 )
+from ninfer.plugins.qwen3_5.model.quantized import Weight, linear
 from ninfer.plugins.qwen3_5.model.weights import MTP_PREFIX, mtp_weights
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 class MTPWeights:
     pre_fc_norm_embedding: torch.Tensor
     pre_fc_norm_hidden: torch.Tensor
-    fc: torch.Tensor  # [H, 2H]
+    fc: Weight  # [H, 2H]; quantized where the source quantizes it
     layers: tuple[DecoderLayerWeights, ...]
     norm: torch.Tensor
 
@@ -87,7 +88,7 @@ class Qwen35MTP:
         weights = MTPWeights(
             pre_fc_norm_embedding=loader.take(f"{MTP_PREFIX}pre_fc_norm_embedding.weight"),
             pre_fc_norm_hidden=loader.take(f"{MTP_PREFIX}pre_fc_norm_hidden.weight"),
-            fc=loader.take(f"{MTP_PREFIX}fc.weight"),
+            fc=loader.take_linear(f"{MTP_PREFIX}fc.weight"),
             layers=tuple(
                 load_decoder_layer(loader, f"{MTP_PREFIX}layers.{index}.", FULL_ATTENTION, config)
                 for index in range(config.mtp_num_hidden_layers)
@@ -132,7 +133,7 @@ class Qwen35MTP:
         eps = config.rms_norm_eps
         embedded = rms_norm(model.embed(token_ids), weights.pre_fc_norm_embedding, eps, zero_centered=True)
         previous = rms_norm(hidden.to(model.device, model.dtype), weights.pre_fc_norm_hidden, eps, zero_centered=True)
-        x = F.linear(torch.cat([embedded, previous], dim=-1), weights.fc)
+        x = linear(torch.cat([embedded, previous], dim=-1), weights.fc)
         layout = BatchLayout.build(query_lens, context_lens, page_tables, kv.page_size, None, model.device)
         normed = rms_norm(x, layer.input_layernorm, eps, zero_centered=True)
         mixed = full_attention(
