@@ -116,6 +116,8 @@ def synthetic_prompts(rng: random.Random, count: int, length: int, vocab_limit: 
                    "(draft + verify + acceptance/rollback) against a plain decode step, and the projected decode rate")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="draft tokens per speculative round")
 @click.option("--lm-head-draft", is_flag=True, help="draft with the reduced (frequency-ranked) proposal head")
+@click.option("--kv-dtype", default="bf16", show_default=True, metavar="NAME",
+              help="KV-cache storage of an artifact's run (bf16, int8, fp8, nvfp4, k8v4; quantized: CPU only)")
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -136,6 +138,7 @@ def bench_command(
     spec: str | None,
     draft_tokens: int | None,
     lm_head_draft: bool,
+    kv_dtype: str,
 ) -> None:
     """Offline benchmark: prefill and decode throughput, TTFT and inter-token latency percentiles."""
     if (spec is None) != (draft_tokens is None) or (lm_head_draft and spec is None):
@@ -177,19 +180,20 @@ def bench_command(
 
     device = device or _default_device()
     tokens_per_request = prompt_len + output_len
-    config = EngineConfig(
-        max_concurrency=concurrency,
-        max_pending_requests=0,
-        pending_timeout_ms=None,
-        prefill_chunk=prefill_chunk,
-        max_context=tokens_per_request,
-        kv_capacity=tokens_per_request * concurrency,
-        prefix_reuse=False,
-    )
     from ninfer.core.drafting import SpeculativeConfig
 
     speculative = SpeculativeConfig(spec, draft_tokens, lm_head_draft) if spec is not None and draft_tokens else None
     try:
+        config = EngineConfig(
+            max_concurrency=concurrency,
+            max_pending_requests=0,
+            pending_timeout_ms=None,
+            prefill_chunk=prefill_chunk,
+            max_context=tokens_per_request,
+            kv_capacity=tokens_per_request * concurrency,
+            prefix_reuse=False,
+            kv_dtype=kv_dtype,
+        )
         loaded = load_engine(
             artifact, config, load_options=LoadOptions(device=device, dtype=dtype, cuda_graphs=not no_cuda_graph),
             speculative=speculative,

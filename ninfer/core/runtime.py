@@ -16,10 +16,13 @@ after the row's last new token in the slot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
 
 import attrs
 import torch
+
+from ninfer.core.errors import ConfigError
+from ninfer.quant.kv_codecs import KVCodec
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.drafting import DraftRow
@@ -63,9 +66,17 @@ class RuntimeSpec:
     max_position_embeddings: int
     state_update_stops: bool = False  # forward() honours ForwardBatch.state_update_stops (one-token decode batches)
 
-    def kv_bytes_per_token(self, bytes_per_element: float | None = None) -> float:
-        per_element = self.dtype.itemsize if bytes_per_element is None else bytes_per_element
-        return sum(2 * layer.num_kv_heads * layer.head_dim * per_element for layer in self.attention_layers)
+    def kv_bytes_per_token(self, codec: KVCodec | None = None) -> float:
+        """K+V bytes one token costs in a pool of the model dtype, or of ``codec``'s exact stored rows."""
+        return sum(
+            layer.num_kv_heads
+            * (
+                2 * layer.head_dim * self.dtype.itemsize
+                if codec is None
+                else codec.bytes_per_token_head(layer.head_dim)
+            )
+            for layer in self.attention_layers
+        )
 
     def state_image_bytes(self) -> int:
         return sum(
@@ -76,21 +87,47 @@ class RuntimeSpec:
 
 @attrs.define
 class KVCache:
-    """Paged KV: ``key[i]``/``value[i]`` are ``[num_pages, page_size, num_kv_heads, head_dim]`` for attention layer i."""
+    """Paged KV: ``key[i]``/``value[i]`` are ``[num_pages, page_size, num_kv_heads, head_dim]`` for attention layer i.
+
+    With a ``codec`` (a quantized ``--kv-dtype``) each token-head vector is stored as the codec's packed bytes
+    instead: uint8 ``[num_pages, page_size, num_kv_heads, key/value bytes_per_vector(head_dim)]``. Pages stay
+    whole tensors indexed by page, so page copies, the host tier and byte counts need not know the format."""
 
     page_size: int
     key: list[torch.Tensor]
     value: list[torch.Tensor]
+    codec: KVCodec | None = None
 
     @classmethod
-    def allocate(cls, spec: RuntimeSpec, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> "KVCache":
-        dtype = dtype or spec.dtype
-        shapes = [(num_pages, page_size, layer.num_kv_heads, layer.head_dim) for layer in spec.attention_layers]
-        return cls(
-            page_size=page_size,
-            key=[torch.zeros(shape, dtype=dtype, device=spec.device) for shape in shapes],
-            value=[torch.zeros(shape, dtype=dtype, device=spec.device) for shape in shapes],
-        )
+    def allocate(
+        cls,
+        spec: RuntimeSpec,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype | None = None,
+        codec: KVCodec | None = None,
+    ) -> "KVCache":
+        def planes(width: Callable[[int], int], plane_dtype: torch.dtype) -> list[torch.Tensor]:
+            return [
+                torch.zeros(
+                    (num_pages, page_size, layer.num_kv_heads, width(layer.head_dim)),
+                    dtype=plane_dtype,
+                    device=spec.device,
+                )
+                for layer in spec.attention_layers
+            ]
+
+        if codec is None:
+            dtype = dtype or spec.dtype
+            return cls(page_size=page_size, key=planes(lambda dim: dim, dtype), value=planes(lambda dim: dim, dtype))
+        for layer in spec.attention_layers:
+            problem = codec.head_dim_problem(layer.head_dim)
+            if problem is not None:
+                raise ConfigError(
+                    f"--kv-dtype {codec.name} is not available for this model: {problem}", param="kv_dtype"
+                )
+        key = planes(codec.key.bytes_per_vector, torch.uint8)
+        return cls(page_size, key, planes(codec.value.bytes_per_vector, torch.uint8), codec)
 
     @property
     def num_pages(self) -> int:

@@ -9,6 +9,7 @@ import attrs
 from ninfer.core.errors import ConfigError
 from ninfer.core.request import SAMPLER_FIELDS, RequestPolicy
 from ninfer.engine.context_cost import ContextCost
+from ninfer.quant.kv_codecs import KV_CODECS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ninfer.core.config import ServeConfig
@@ -61,6 +62,13 @@ def _timeout(_instance: Any, _attribute: Any, value: Any) -> None:
         )
 
 
+def _kv_dtype(_instance: Any, _attribute: Any, value: str) -> None:
+    if value not in KV_CODECS:
+        raise ConfigError(
+            f"engine option kv_dtype: expected one of {', '.join(KV_CODECS)}, got {value!r}", param="kv_dtype"
+        )
+
+
 def _overrides(_instance: Any, _attribute: Any, value: Mapping[str, Any]) -> None:
     unknown = sorted(set(value) - {*SAMPLER_FIELDS, "seed"})
     if unknown:
@@ -74,7 +82,8 @@ class EngineConfig:
     """Startup-fixed engine settings.
 
     ``kv_capacity`` is the Main Text KV pool in tokens or ``"auto"`` (CUDA: free memory less 1 GiB; CPU:
-    ``max_context * max_concurrency``). ``device_state_slots`` is H, the checkpoint StateImage slots beyond
+    ``max_context * max_concurrency``), stored as ``kv_dtype`` (``bf16``: the model dtype; the others through their
+    ``KV_CODECS`` codec, on the reference path only). ``device_state_slots`` is H, the checkpoint StateImage slots beyond
     the C active lanes (None: H = C). ``host_state_slots`` / ``host_kv_mib`` size the host tier that takes
     checkpoints the device evicts (either 0: no host tier, the engine's default; the server's defaults of 8 slots
     and 8192 MiB arrive through :meth:`from_serve_config`). ``pending_timeout_ms`` None waits without a deadline
@@ -93,6 +102,7 @@ class EngineConfig:
     prefill_chunk: int = attrs.field(default=1024, validator=_positive("prefill_chunk"))
     max_context: int = attrs.field(default=8192, validator=_positive("max_context"))
     kv_capacity: int | Literal["auto"] = attrs.field(default=AUTO, validator=_kv_capacity)
+    kv_dtype: str = attrs.field(default="bf16", validator=_kv_dtype)
     device_state_slots: int | None = attrs.field(default=None, validator=_non_negative("device_state_slots"))
     host_state_slots: int = attrs.field(default=0, validator=_non_negative("host_state_slots"))
     host_kv_mib: int = attrs.field(default=0, validator=_non_negative("host_kv_mib"))
@@ -145,6 +155,7 @@ class EngineConfig:
             prefill_chunk=config.prefill_chunk,
             max_context=policy.max_context,
             kv_capacity=config.kv_capacity,
+            kv_dtype=config.kv_dtype,
             device_state_slots=config.device_state_slots,
             host_state_slots=config.host_state_slots,
             host_kv_mib=config.host_kv_mib,

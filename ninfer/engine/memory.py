@@ -43,6 +43,7 @@ from ninfer.engine.host_cache import (
 from ninfer.engine.pages import PagePool, SlotPool, copy_kv_page, pages_for
 from ninfer.engine.prefix_cache import Checkpoint, PrefixCache, common_prefix, longest_prefix
 from ninfer.engine.sequence import Sequence
+from ninfer.quant.kv_codecs import pool_codec
 
 SHARED: ReusePath = "shared_stable_prefix"
 ANCHOR: ReusePath = "private_long_anchor"
@@ -66,7 +67,7 @@ def resolve_kv_capacity(config: EngineConfig, spec: RuntimeSpec, drafter: Drafte
     if spec.device.type != "cuda":
         return config.max_context * config.max_concurrency
     free_bytes, _total = torch.cuda.mem_get_info(spec.device)
-    per_token = spec.kv_bytes_per_token()
+    per_token = spec.kv_bytes_per_token(pool_codec(config.kv_dtype))
     headroom = AUTO_HEADROOM_BYTES
     if drafter is not None:
         per_token += drafter.kv_bytes_per_token
@@ -132,7 +133,7 @@ class EngineMemory:
         self.state = StateCache.allocate(spec, num_slots)
         self.kv_capacity_tokens = resolve_kv_capacity(config, spec, drafter)
         num_pages = pages_for(self.kv_capacity_tokens, self.page_size)
-        self.kv = KVCache.allocate(spec, num_pages, self.page_size)
+        self.kv = KVCache.allocate(spec, num_pages, self.page_size, codec=pool_codec(config.kv_dtype))
         self.pages = PagePool(num_pages)
         self.slots = SlotPool(num_slots)
         self.host = HostCache(

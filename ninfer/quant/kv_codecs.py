@@ -37,7 +37,8 @@ _E4M3_MIN_SUBNORMAL = 2.0**-9
 class VectorCodec:
     """How one plane (K or V) stores a ``[..., D]`` vector: ``encode(x) -> (codes, scales)`` and
     ``decode(codes, scales) -> fp32 [..., D]``; ``code_bits`` per element plus one ``scale_bytes`` scale per
-    ``group`` elements (``None``: one per vector; ``scale_bytes == 0``: no scale plane)."""
+    ``group`` elements (``None``: one per vector; ``scale_bytes == 0``: no scale plane). ``code_dtype`` /
+    ``scale_dtype`` are the dtypes ``encode`` returns, so :meth:`pack` / :meth:`unpack` can bit-cast a stored row."""
 
     name: str
     code_bits: int
@@ -45,10 +46,24 @@ class VectorCodec:
     scale_bytes: int
     encode: Callable[[torch.Tensor], Encoded]
     decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    code_dtype: torch.dtype
+    scale_dtype: torch.dtype = torch.float16
 
     def bytes_per_vector(self, dim: int) -> int:
         scales = 0 if self.scale_bytes == 0 else 1 if self.group is None else dim // self.group
         return dim * self.code_bits // 8 + scales * self.scale_bytes
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D]`` encoded as one uint8 row ``[..., bytes_per_vector(D)]``: the codes' bytes, then the
+        scales' (bit-cast, so a stored row holds exactly what ``encode`` gave)."""
+        codes, scales = self.encode(x)
+        return torch.cat((codes.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)), dim=-1)
+
+    def unpack(self, stored: torch.Tensor, dim: int) -> torch.Tensor:
+        """fp32 ``[..., dim]`` decoded from :meth:`pack`'s uint8 rows ``[..., bytes_per_vector(dim)]``."""
+        split = dim * self.code_bits // 8
+        codes = stored[..., :split].contiguous().view(self.code_dtype)
+        return self.decode(codes, stored[..., split:].contiguous().view(self.scale_dtype))
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -125,11 +140,13 @@ def decode_nvfp4_g16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values * scales.float().unsqueeze(-1)).flatten(-2)
 
 
-BF16 = VectorCodec("bf16", 16, None, 0, encode_bf16, decode_plain)
-FP16 = VectorCodec("fp16", 16, None, 0, encode_fp16, decode_plain)
-INT8_G64 = VectorCodec("int8_g64", 8, INT8_GROUP, 2, encode_int8_g64, decode_int8_g64)
-FP8_ROW = VectorCodec("fp8_e4m3_row", 8, None, 2, encode_fp8_row, decode_fp8_row)
-NVFP4_G16 = VectorCodec("nvfp4_g16", 4, NVFP4_KV_GROUP, 1, encode_nvfp4_g16, decode_nvfp4_g16)
+BF16 = VectorCodec("bf16", 16, None, 0, encode_bf16, decode_plain, torch.bfloat16)
+FP16 = VectorCodec("fp16", 16, None, 0, encode_fp16, decode_plain, torch.float16)
+INT8_G64 = VectorCodec("int8_g64", 8, INT8_GROUP, 2, encode_int8_g64, decode_int8_g64, torch.int8)
+FP8_ROW = VectorCodec("fp8_e4m3_row", 8, None, 2, encode_fp8_row, decode_fp8_row, torch.float8_e4m3fn)
+NVFP4_G16 = VectorCodec(
+    "nvfp4_g16", 4, NVFP4_KV_GROUP, 1, encode_nvfp4_g16, decode_nvfp4_g16, torch.uint8, torch.float8_e4m3fn
+)
 
 
 def hadamard(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -164,11 +181,38 @@ class KVCodec:
     def bytes_per_token_head(self, dim: int) -> int:
         return self.key.bytes_per_vector(dim) + self.value.bytes_per_vector(dim)
 
+    def head_dim_problem(self, dim: int) -> str | None:
+        """Why this codec cannot store ``dim``-element heads (a scale group that does not divide it, a rotation
+        that needs a power of two), or None."""
+        for plane in (self.key, self.value):
+            if plane.group is not None and dim % plane.group:
+                return f"its {plane.name} plane scales groups of {plane.group}, which do not divide head dim {dim}"
+        if (self.rotate_keys or self.rotate_values) and dim & (dim - 1):
+            return f"its Hadamard rotation needs a power-of-two head dim, not {dim}"
+        return None
+
     def encode_keys(self, k: torch.Tensor) -> Encoded:
         return self.key.encode(hadamard_rotate(k) if self.rotate_keys else k)
 
     def encode_values(self, v: torch.Tensor) -> Encoded:
         return self.value.encode(hadamard_rotate(v) if self.rotate_values else v)
+
+    def pack_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """``k [..., D]`` as stored KV-pool bytes ``[..., key.bytes_per_vector(D)]``, rotated first by the rule."""
+        return self.key.pack(hadamard_rotate(k) if self.rotate_keys else k)
+
+    def pack_values(self, v: torch.Tensor) -> torch.Tensor:
+        return self.value.pack(hadamard_rotate(v) if self.rotate_values else v)
+
+    def unpack_keys(self, stored: torch.Tensor, dim: int) -> torch.Tensor:
+        """fp32 keys ``[..., dim]`` from stored bytes, un-rotated (the normalised Hadamard is its own inverse), so
+        the ordinary attention math reads them as it reads unquantized keys."""
+        keys = self.key.unpack(stored, dim)
+        return hadamard_rotate(keys) if self.rotate_keys else keys
+
+    def unpack_values(self, stored: torch.Tensor, dim: int) -> torch.Tensor:
+        values = self.value.unpack(stored, dim)
+        return hadamard_rotate(values) if self.rotate_values else values
 
 
 KV_CODECS = {
@@ -181,3 +225,11 @@ KV_CODECS = {
         KVCodec("k8v4", FP8_ROW, NVFP4_G16, rotate_keys=True, rotate_values=True),
     )
 }
+
+
+def pool_codec(kv_dtype: str) -> KVCodec | None:
+    """The codec a KV pool of ``--kv-dtype kv_dtype`` stores through; None for ``bf16``, which keeps the model's
+    dtype as it is (no quantize-on-write step, the only format the CUDA kernels read)."""
+    if kv_dtype not in KV_CODECS:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(KV_CODECS)}")
+    return None if kv_dtype == "bf16" else KV_CODECS[kv_dtype]

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 import attrs
+import torch
 
 from ninfer.core.artifact.container import ModelSource
 from ninfer.core.artifact.source import open_model_source
@@ -64,6 +65,16 @@ class LoadedModel:
         self.artifact.close()
 
 
+def check_kv_dtype(config: EngineConfig, load_options: LoadOptions) -> None:
+    """Refuse a quantized KV dtype on CUDA before the model loads: the Triton decode/prefill kernels and the CUDA
+    graphs read model-dtype pages; only the reference (CPU) path decodes the packed codecs."""
+    if config.kv_dtype != "bf16" and torch.device(load_options.device).type == "cuda":
+        raise ConfigError(
+            f"--kv-dtype {config.kv_dtype} on CUDA needs the quantized attention kernels, not available yet",
+            param="kv_dtype",
+        )
+
+
 def load_engine(
     source: str | os.PathLike[str] | ModelSource,
     config: EngineConfig,
@@ -81,7 +92,9 @@ def load_engine(
     artifact = open_model_source(source, registries) if opened_here else source
     try:
         family = registries.family_for(artifact.manifest)
-        runtime = family.require("load_runtime")(artifact, load_options or LoadOptions())
+        load_options = load_options or LoadOptions()
+        check_kv_dtype(config, load_options)
+        runtime = family.require("load_runtime")(artifact, load_options)
         tokenizer = artifact_tokenizer(artifact)
         drafter = build_drafter(artifact, runtime, speculative, registries)
         engine = Engine(

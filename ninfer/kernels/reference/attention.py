@@ -3,6 +3,10 @@
 KV of token ``j`` of a row lives in page ``page_tables[row, j // page_size]`` at offset ``j % page_size`` of
 ``key_cache``/``value_cache [num_pages, page_size, Hkv, D]``. A row continues ``context_lens[row]`` cached tokens with
 ``query_lens[row]`` new ones; new token ``i`` attends to cached tokens and new tokens ``<= i``.
+
+With a ``codec`` (a quantized ``--kv-dtype``) the caches hold the codec's packed bytes per token-head
+(``[num_pages, page_size, Hkv, bytes]`` uint8): writes encode, reads decode the gathered pages back to un-rotated
+fp32 K/V, and the attention math is the same.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from ninfer.quant.kv_codecs import KVCodec
 
 _QUERY_BLOCK = 256  # bounds the score matrix of long prefill chunks on the CPU path
 
@@ -41,13 +47,18 @@ def write_paged_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    codec: KVCodec | None = None,
 ) -> None:
-    """Store ``key/value [T,Hkv,D]`` at the flat slots ``slot_mapping [T]`` of the paged caches (in the cache dtype)."""
-    num_pages, page_size, heads, dim = key_cache.shape
+    """Store ``key/value [T,Hkv,D]`` at the flat slots ``slot_mapping [T]`` of the paged caches (in the cache dtype,
+    or as ``codec``'s packed bytes)."""
+    num_pages, page_size, heads = key_cache.shape[:3]
+    dim = key.shape[-1] if codec is not None else key_cache.shape[3]
     if tuple(key.shape[1:]) != (heads, dim) or key.shape != value.shape:
         raise ValueError(f"key/value must be [T, {heads}, {dim}]; got {tuple(key.shape)} and {tuple(value.shape)}")
-    flat_keys = key_cache.view(num_pages * page_size, heads, dim)
-    flat_values = value_cache.view(num_pages * page_size, heads, dim)
+    if codec is not None:
+        key, value = codec.pack_keys(key), codec.pack_values(value)
+    flat_keys = key_cache.view(num_pages * page_size, heads, key_cache.shape[3])
+    flat_values = value_cache.view(num_pages * page_size, heads, value_cache.shape[3])
     slots = slot_mapping.long()
     flat_keys.index_copy_(0, slots, key.to(key_cache.dtype))
     flat_values.index_copy_(0, slots, value.to(value_cache.dtype))
@@ -60,6 +71,21 @@ def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, length: int) -> to
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_row: torch.Tensor,
+    length: int,
+    dim: int,
+    codec: KVCodec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 keys and values ``[length, Hkv, dim]`` of one row: its gathered pages, decoded when ``codec`` is set."""
+    keys, values = gather_pages(key_cache, page_row, length), gather_pages(value_cache, page_row, length)
+    if codec is None:
+        return keys.float(), values.float()
+    return codec.unpack_keys(keys, dim), codec.unpack_values(values, dim)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -69,8 +95,10 @@ def paged_attention(
     context_lens: Sequence[int],
     *,
     scale: float | None = None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
-    """Causal softmax attention of ``query [T,Hq,D]`` over each row's cached + new KV (already written); fp32 math.
+    """Causal softmax attention of ``query [T,Hq,D]`` over each row's cached + new KV (already written, through
+    ``codec`` when set); fp32 math.
 
     Query head h reads KV head ``h // (Hq // Hkv)``; ``scale`` defaults to ``D ** -0.5``. Returns ``[T,Hq,D]``.
     """
@@ -86,8 +114,7 @@ def paged_attention(
     start = 0
     for row, (length, context) in enumerate(zip(query_lens, context_lens)):
         total = context + length
-        keys = gather_pages(key_cache, page_tables[row], total).float()  # [L, Hkv, D]
-        values = gather_pages(value_cache, page_tables[row], total).float()
+        keys, values = gather_kv(key_cache, value_cache, page_tables[row], total, dim, codec)  # [L, Hkv, D]
         key_index = torch.arange(total, device=query.device)
         for block in range(0, length, _QUERY_BLOCK):
             stop = min(block + _QUERY_BLOCK, length)

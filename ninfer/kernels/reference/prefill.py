@@ -30,6 +30,7 @@ from ninfer.kernels.reference.attention import gather_pages, paged_attention
 from ninfer.kernels.reference.conv import causal_conv1d
 from ninfer.kernels.reference.gated_delta import _prepare, chunk_gated_delta_rule
 from ninfer.kernels.reference.moe import moe_forward, route_tokens, swiglu
+from ninfer.quant.kv_codecs import KVCodec
 
 
 def batched_chunk_gated_delta_rule(
@@ -268,13 +269,15 @@ def prefill_attention(
     context_lens: Sequence[int],
     *,
     scale: float,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """Causal paged attention on CUDA: rows that all start at root through SDPA (its flash kernel: 1.5 against
     2.1 ms for one 8192-token 27B layer on the H200); a batch that continues cached context through the Triton
     paged kernel (cached KV read in place: 0.85 against SDPA's 1.39 ms for a 1024-token chunk after 7168 cached
     tokens, which SDPA must gather and mask); SDPA also without Triton or for a head dim the kernel cannot tile.
-    The reference ``paged_attention`` elsewhere."""
-    if query.device.type == "cuda":
+    The reference ``paged_attention`` elsewhere, and for a quantized pool (``codec``: the fast kernels read
+    model-dtype pages only)."""
+    if query.device.type == "cuda" and codec is None:
         from ninfer.kernels.triton import triton_available
 
         if any(context_lens) and triton_available(query.device):
@@ -287,7 +290,9 @@ def prefill_attention(
         return sdpa_paged_attention(
             query, key_cache, value_cache, page_tables, query_lens, context_lens, scale=scale
         )
-    return paged_attention(query, key_cache, value_cache, page_tables, query_lens, context_lens, scale=scale)
+    return paged_attention(
+        query, key_cache, value_cache, page_tables, query_lens, context_lens, scale=scale, codec=codec
+    )
 
 
 def _grouped_matmul(

@@ -36,6 +36,7 @@ from ninfer.kernels.reference.prefill import (
 from ninfer.kernels.reference.rope import apply_rotary
 from ninfer.plugins.qwen3_5.model.config import Qwen35TextConfig
 from ninfer.plugins.qwen3_5.model.quantized import Weight, dense, linear
+from ninfer.quant.kv_codecs import KVCodec
 
 RECURRENT_MAX_TOKENS = 4  # groups of at most this many new tokens use the token-by-token delta rule
 
@@ -317,8 +318,10 @@ def full_attention(
     layout: BatchLayout,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
-    """Gated softmax attention over ``x [T, H]``: writes the new KV into the pages, attends, gates, projects."""
+    """Gated softmax attention over ``x [T, H]``: writes the new KV into the pages (through ``codec``, a quantized
+    pool's, when set), attends, gates, projects."""
     tokens = x.shape[0]
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     query, gate = linear(x, weights.q_proj).view(tokens, heads, 2 * dim).chunk(2, dim=-1)
@@ -328,9 +331,10 @@ def full_attention(
     key = rms_norm(key, weights.k_norm, config.rms_norm_eps, zero_centered=True)
     cos, sin = rotary
     query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-    write_paged_kv(key_cache, value_cache, key, value, layout.slot_mapping)
+    write_paged_kv(key_cache, value_cache, key, value, layout.slot_mapping, codec)
     attended = prefill_attention(
-        query, key_cache, value_cache, layout.page_tables, layout.query_lens, layout.context_lens, scale=dim**-0.5
+        query, key_cache, value_cache, layout.page_tables, layout.query_lens, layout.context_lens, scale=dim**-0.5,
+        codec=codec,
     )
     gated = attended.reshape(tokens, heads * dim) * torch.sigmoid(gate.reshape(tokens, heads * dim))
     return linear(gated, weights.o_proj)
@@ -344,10 +348,13 @@ def full_attention_fused(
     layout: BatchLayout,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """``full_attention`` for CUDA prefill: one GEMM for q+gate/k/v, q/k norm + MRoPE + KV write in one Triton
     kernel, the sigmoid output gate in another. ``rope`` is ``(positions [3, T] with contiguous rows,
-    inverse_frequencies, axis_of_frequency)`` of the model."""
+    inverse_frequencies, axis_of_frequency)`` of the model. Model-dtype pools only (no ``codec``)."""
+    if codec is not None:
+        raise ValueError(f"the fused CUDA prefill writes model-dtype KV pages, not {codec.name}")
     from ninfer.kernels.triton.attention import qk_norm_rope_write_kv
     from ninfer.kernels.triton.norms import sigmoid_gate
 

@@ -274,6 +274,7 @@ class Qwen35Model:
                     layout,
                     kv.key[attention_index],
                     kv.value[attention_index],
+                    kv.codec,
                 )
                 attention_index += 1
             else:
