@@ -83,8 +83,8 @@ class EngineConfig:
 
     ``kv_capacity`` is the Main Text KV pool in tokens or ``"auto"`` (CUDA: free memory less 1 GiB; CPU:
     ``max_context * max_concurrency``), stored as ``kv_dtype`` (``bf16``: the model dtype; the others through their
-    ``KV_CODECS`` codec, on the reference path only). ``device_state_slots`` is H, the checkpoint StateImage slots beyond
-    the C active lanes (None: H = C). ``host_state_slots`` / ``host_kv_mib`` size the host tier that takes
+    ``KV_CODECS`` codec, on the reference path only). ``device_state_slots`` is H, the checkpoint StateImage slots
+    beyond the C active lanes (None: H = C). ``host_state_slots`` / ``host_kv_mib`` size the host tier that takes
     checkpoints the device evicts (either 0: no host tier, the engine's default; the server's defaults of 8 slots
     and 8192 MiB arrive through :meth:`from_serve_config`). ``pending_timeout_ms`` None waits without a deadline
     (offline use).

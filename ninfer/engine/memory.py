@@ -136,9 +136,10 @@ class EngineMemory:
         self.kv = KVCache.allocate(spec, num_pages, self.page_size, codec=pool_codec(config.kv_dtype))
         self.pages = PagePool(num_pages)
         self.slots = SlotPool(num_slots)
+        self._resume = None if drafter is None else drafter.resume
         self.host = HostCache(
             config.host_state_slots if config.checkpoint_slots else 0, config.host_kv_mib * MIB, self.state,
-            self.page_size, 0 if drafter is None or drafter.resume is None else drafter.resume.rewritten_positions,
+            self.page_size, 0 if self._resume is None else self._resume.rewritten_positions,
         )
         self.cache = PrefixCache(
             config.checkpoint_slots, self.page_size, self.pages, self.slots, self.state,
@@ -150,7 +151,6 @@ class EngineMemory:
         self._degradation: list[tuple[DegradationUnit, float]] = []  # what the admission being planned evicted
         self.promised = 0
         self.companions: list[KVCache] = []  # drafter caches indexed by the same page ids (copied alongside)
-        self._resume = None if drafter is None else drafter.resume
         self.private_continuations = config.private_continuations
         self.shared_prefixes = config.shared_prefixes
         self.long_anchors = config.max_long_anchors_per_continuation

@@ -205,7 +205,9 @@ AttendWithLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float]
 
 def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """cuDNN's fused attention on ``[1, H, L, D]`` operands: the output and its natural-log ``logsumexp``."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )[:2]
     return out, lse
 
 
@@ -255,7 +257,8 @@ def split_paged_attention(
             past = past.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
             past_lse = past_lse.reshape(kv_heads, group, length).permute(2, 0, 1).reshape(length, heads)
             past_weight = torch.sigmoid(past_lse - own_lse)[..., None]
-            output[start : start + length] = (own.float() + past_weight * (past.float() - own.float())).to(query.dtype)
+            merged = own.float() + past_weight * (past.float() - own.float())
+            output[start : start + length] = merged.to(query.dtype)
         start += length
     return output
 
